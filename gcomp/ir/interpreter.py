@@ -1,0 +1,208 @@
+"""Reference interpreter: the meaning of every op, in numpy/scipy float64.
+
+This is the oracle every test compares compiled code against.  It is written
+for clarity, not speed: it materializes per-edge messages and keeps edges in the
+order the user gave them (derived graphs append their new self loops at the
+end, as PyG does).  It shares no code with code generation or the runtime.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from gcomp.errors import InputError
+from gcomp.ir.graph import Graph
+from gcomp.ir.ops import Op
+from gcomp.ir.types import GraphType
+
+
+@dataclass
+class RefGraph:
+    """A graph as the interpreter sees it: edge list in a fixed order."""
+
+    num_nodes: int
+    src: np.ndarray
+    dst: np.ndarray
+    origin: np.ndarray | None = None  # for derived graphs: parent edge id or -1
+
+    @staticmethod
+    def from_edge_index(edge_index, num_nodes: int) -> "RefGraph":
+        ei = np.asarray(edge_index, dtype=np.int64)
+        return RefGraph(int(num_nodes), ei[0].copy(), ei[1].copy())
+
+    @property
+    def num_edges(self) -> int:
+        return len(self.src)
+
+
+def _self_loops(g: RefGraph, mode: str) -> RefGraph:
+    n = g.num_nodes
+    loop = g.src == g.dst
+    keep = np.ones(len(g.src), bool) if mode == "add" else ~loop
+    ids = np.nonzero(keep)[0]
+    if mode == "remove":
+        return RefGraph(n, g.src[ids], g.dst[ids], ids)
+    loop_origin = np.full(n, -1, np.int64)
+    if mode == "add_remaining":
+        for e in np.nonzero(loop)[0]:  # the last existing loop of a node wins
+            loop_origin[g.src[e]] = e
+    ar = np.arange(n, dtype=np.int64)
+    return RefGraph(n, np.concatenate([g.src[ids], ar]), np.concatenate([g.dst[ids], ar]),
+                    np.concatenate([ids, loop_origin]))
+
+
+def _scatter(g: RefGraph, e: np.ndarray, reduce: str) -> np.ndarray:
+    out_shape = (g.num_nodes,) + e.shape[1:]
+    if reduce == "max":
+        out = np.full(out_shape, -np.inf)
+        np.maximum.at(out, g.dst, e)
+        out[np.isneginf(out)] = 0.0  # isolated nodes
+        return out
+    out = np.zeros(out_shape)
+    np.add.at(out, g.dst, e)
+    if reduce == "mean":
+        cnt = np.bincount(g.dst, minlength=g.num_nodes).astype(np.float64)
+        out /= np.maximum(cnt, 1).reshape((-1,) + (1,) * (e.ndim - 1))
+    return out
+
+
+def _expand_weight(w: np.ndarray, x_ndim: int) -> np.ndarray:
+    return w.reshape(w.shape + (1,) * (x_ndim - w.ndim))
+
+
+def _degree(g: RefGraph, w, side: str) -> np.ndarray:
+    idx = g.dst if side == "in" else g.src
+    w = np.ones(g.num_edges) if w is None else w
+    out = np.zeros(g.num_nodes)
+    np.add.at(out, idx, w)
+    return out
+
+
+def _edge_softmax(g: RefGraph, e: np.ndarray) -> np.ndarray:
+    mx = np.full((g.num_nodes,) + e.shape[1:], -np.inf)
+    np.maximum.at(mx, g.dst, e)
+    ex = np.exp(e - mx[g.dst])
+    s = np.zeros_like(mx)
+    np.add.at(s, g.dst, ex)
+    return ex / s[g.dst]
+
+
+def _log_softmax(x: np.ndarray, axis: int) -> np.ndarray:
+    m = x.max(axis=axis, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=axis, keepdims=True))
+
+
+def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
+    ex = np.exp(x - x.max(axis=axis, keepdims=True))
+    return ex / ex.sum(axis=axis, keepdims=True)
+
+
+_UNARY = {
+    Op.RELU: lambda x, a: np.maximum(x, 0.0),
+    Op.LEAKY_RELU: lambda x, a: np.where(x > 0, x, a["alpha"] * x),
+    Op.ELU: lambda x, a: np.where(x > 0, x, a["alpha"] * np.expm1(np.minimum(x, 0.0))),
+    Op.EXP: lambda x, a: np.exp(x),
+    Op.LOG: lambda x, a: np.log(x),
+    Op.SIGMOID: lambda x, a: 1.0 / (1.0 + np.exp(-x)),
+    Op.TANH: lambda x, a: np.tanh(x),
+    Op.NEG: lambda x, a: -x,
+    Op.SQRT: lambda x, a: np.sqrt(x),
+    Op.POW: lambda x, a: np.power(x, a["exponent"]),
+}
+_BINARY = {
+    Op.ADD: np.add, Op.SUB: np.subtract, Op.MUL: np.multiply, Op.DIV: np.divide,
+    Op.MAXIMUM: np.maximum, Op.MINIMUM: np.minimum, Op.BIAS_ADD: np.add,
+}
+_REDUCE = {Op.SUM: np.sum, Op.MEAN: np.mean, Op.MAX: np.max}
+
+
+def evaluate_node(n, args: list, num_nodes: int):
+    """Value of node ``n`` given the values of its inputs."""
+    a = n.attrs
+    op = n.op
+    if op == Op.SELF_LOOPS:
+        return _self_loops(args[0], a["mode"])
+    if op == Op.EDGE_REMAP:
+        g2, w = args
+        out = np.full((g2.num_edges,) + w.shape[1:], float(a["fill"]))
+        has = g2.origin >= 0
+        out[has] = w[g2.origin[has]]
+        return out
+    if op == Op.DEGREE:
+        return _degree(args[0], args[1] if len(args) > 1 else None, a["side"])
+    if op == Op.SYM_NORM:
+        g = args[0]
+        w = args[1] if len(args) > 1 else np.ones(g.num_edges)
+        deg = _degree(g, w, "in")
+        with np.errstate(divide="ignore"):
+            dinv = deg ** -0.5
+        dinv[np.isinf(dinv)] = 0.0
+        return dinv[g.src] * w * dinv[g.dst]
+    if op == Op.GATHER:
+        g, x = args
+        return x[g.src if a["side"] == "src" else g.dst]
+    if op == Op.SCATTER:
+        return _scatter(args[0], args[1], a["reduce"])
+    if op == Op.AGGREGATE:
+        g, x = args[0], args[1]
+        msg = x[g.src]
+        if len(args) == 3:
+            msg = msg * _expand_weight(args[2], x.ndim)
+        return _scatter(g, msg, a["reduce"])
+    if op == Op.EDGE_SOFTMAX:
+        return _edge_softmax(args[0], args[1])
+    if op == Op.MATMUL:
+        return args[0] @ args[1]
+    if op in _UNARY:
+        return _UNARY[op](args[0], a)
+    if op in _BINARY:
+        return _BINARY[op](args[0], args[1])
+    if op == Op.CONCAT:
+        return np.concatenate(args, axis=a["axis"])
+    if op == Op.RESHAPE:
+        x = args[0]
+        shape = [x.shape[0] if d in ("N", "E") else d for d in a["shape"]]
+        return x.reshape(shape)
+    if op in _REDUCE:
+        return _REDUCE[op](args[0], axis=a["axis"], keepdims=a["keepdims"])
+    if op == Op.SOFTMAX:
+        return _softmax(args[0], a["axis"])
+    if op == Op.LOG_SOFTMAX:
+        return _log_softmax(args[0], a["axis"])
+    raise NotImplementedError(f"interpreter has no rule for {op}")
+
+
+def interpret(g: Graph, inputs: dict, params: dict, *, return_env: bool = False):
+    """Run ``g`` in float64.
+
+    ``inputs`` maps input names to arrays (node features in node order, edge
+    values in the graph's edge order) or ``RefGraph`` values; ``params`` maps
+    parameter names to arrays.  Returns the list of outputs (and the map of all
+    values when ``return_env``).
+    """
+    env: dict[str, object] = {}
+    num_nodes = None
+    for n in g.inputs:
+        if n.name not in inputs:
+            raise InputError(f"missing input {n.name!r}")
+        v = inputs[n.name]
+        if isinstance(n.ty, GraphType):
+            if not isinstance(v, RefGraph):
+                raise InputError(f"input {n.name!r} must be a RefGraph")
+            num_nodes = v.num_nodes if num_nodes is None else num_nodes
+        else:
+            v = np.asarray(v, dtype=np.float64)
+        env[n.name] = v
+    for n in g:
+        if n.op == Op.INPUT:
+            continue
+        if n.op == Op.PARAM:
+            env[n.name] = np.asarray(params[n.name], dtype=np.float64)
+        elif n.op == Op.CONST:
+            env[n.name] = np.float64(n.attrs["value"])
+        else:
+            env[n.name] = evaluate_node(n, [env[i.name] for i in n.inputs], num_nodes)
+    outs = [env[o.name] for o in g.outputs]
+    return (outs, env) if return_env else outs

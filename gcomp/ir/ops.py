@@ -1,0 +1,411 @@
+"""The op set of the Graph IR: names, attributes, groups and type rules.
+
+Every stage speaks these ops: the builder and the ONNX importer produce them,
+passes rewrite them, the reference interpreter defines their meaning, and code
+generation lowers them to kernels.  ``OPS[op]`` holds an op's definition;
+``infer_type(node)`` is the single place where result types are computed, so
+the builder, the parser and the verifier agree.
+
+Semantics (the interpreter in ``gcomp/ir/interpreter.py`` is normative):
+
+``aggregate(g, x[, w])``  out[i] = reduce over edges (j -> i) of g of w_e * x[j]
+``scatter(g, e)``         out[i] = reduce over edges e into i of e[e]
+``gather(g, x)``          out[e] = x[src(e)] (side="src") or x[dst(e)] (side="dst")
+``edge_softmax(g, e)``    softmax of e over the in-edges of each destination
+``degree(g[, w])``        (weighted) number of in-edges (side="in") or out-edges
+``sym_norm(g[, w])``      w_e / sqrt(deg_in(src) * deg_in(dst)), 0 where a degree is 0
+``self_loops(g)``         a new graph: mode "add_remaining" removes every self
+                          loop and adds one per node (PyG's add_remaining_self_loops),
+                          "remove" removes them, "add" adds one per node
+``edge_remap(g2, w)``     edge values of g2 taken from w on g2's parent graph; new
+                          self loops take the parent's loop value where one
+                          existed (the last), else ``fill``
+Isolated nodes aggregate to 0 for every reduction (PyG's convention).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Callable
+
+from gcomp.errors import IRError
+from gcomp.ir.types import N, EdgeDim, GraphType, TensorType, Type
+
+
+class Op(str, Enum):
+    # values the caller provides
+    INPUT = "input"
+    PARAM = "param"
+    CONST = "const"
+    # graph structure
+    SELF_LOOPS = "self_loops"
+    EDGE_REMAP = "edge_remap"
+    DEGREE = "degree"
+    SYM_NORM = "sym_norm"
+    # message passing
+    GATHER = "gather"
+    SCATTER = "scatter"
+    AGGREGATE = "aggregate"
+    EDGE_SOFTMAX = "edge_softmax"
+    # dense
+    MATMUL = "matmul"
+    BIAS_ADD = "bias_add"
+    # elementwise binary (numpy broadcasting)
+    ADD = "add"
+    SUB = "sub"
+    MUL = "mul"
+    DIV = "div"
+    MAXIMUM = "maximum"
+    MINIMUM = "minimum"
+    # elementwise unary
+    RELU = "relu"
+    LEAKY_RELU = "leaky_relu"
+    ELU = "elu"
+    EXP = "exp"
+    LOG = "log"
+    SIGMOID = "sigmoid"
+    TANH = "tanh"
+    NEG = "neg"
+    SQRT = "sqrt"
+    POW = "pow"
+    # shape and reductions
+    CONCAT = "concat"
+    RESHAPE = "reshape"
+    SUM = "sum"
+    MEAN = "mean"
+    MAX = "max"
+    SOFTMAX = "softmax"
+    LOG_SOFTMAX = "log_softmax"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class OpGroup:
+    """Named sets of ops, so passes can write ``n.op in OpGroup.Unary``."""
+
+    Leaf = frozenset({Op.INPUT, Op.PARAM, Op.CONST})
+    Structure = frozenset({Op.SELF_LOOPS})
+    Unary = frozenset({Op.RELU, Op.LEAKY_RELU, Op.ELU, Op.EXP, Op.LOG, Op.SIGMOID, Op.TANH,
+                       Op.NEG, Op.SQRT, Op.POW})
+    Binary = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAXIMUM, Op.MINIMUM, Op.BIAS_ADD})
+    Elementwise = Unary | Binary
+    Reduce = frozenset({Op.SUM, Op.MEAN, Op.MAX})
+    # ops that move values between node space and edge space
+    EdgeOps = frozenset({Op.GATHER, Op.SCATTER, Op.AGGREGATE, Op.EDGE_SOFTMAX, Op.SYM_NORM,
+                         Op.EDGE_REMAP, Op.DEGREE})
+    Aggregate = frozenset({Op.AGGREGATE, Op.SCATTER})
+
+
+REDUCTIONS = ("sum", "mean", "max")
+
+
+@dataclass(frozen=True)
+class AttrSpec:
+    default: Any = None
+    required: bool = False
+    choices: tuple | None = None
+    kind: type | tuple = object
+
+
+@dataclass(frozen=True)
+class OpDef:
+    op: Op
+    arity: tuple[int, int]  # min, max number of inputs (max -1: variadic)
+    attrs: dict[str, AttrSpec] = field(default_factory=dict)
+    infer: Callable[["Node"], Type] | None = None  # None: type is given explicitly  # noqa: F821
+
+
+def _num(**kw):
+    return AttrSpec(kind=(int, float), **kw)
+
+
+# ---------------------------------------------------------------- type rules
+def _fail(node, msg: str):
+    raise IRError(f"%{node.name} = {node.op}(...): {msg}")
+
+
+def _tensor(node, i: int) -> TensorType:
+    t = node.inputs[i].ty
+    if not isinstance(t, TensorType):
+        _fail(node, f"input {i} (%{node.inputs[i].name}) must be a tensor, got {t}")
+    return t
+
+
+def _graph(node, i: int = 0) -> str:
+    src = node.inputs[i]
+    if not isinstance(src.ty, GraphType):
+        _fail(node, f"input {i} (%{src.name}) must be a graph, got {src.ty}")
+    return src.name
+
+
+def _node_tensor(node, i: int) -> TensorType:
+    t = _tensor(node, i)
+    if not t.is_node:
+        _fail(node, f"input {i} (%{node.inputs[i].name}) must be a node tensor [N,...], got {t}")
+    return t
+
+
+def _edge_tensor_of(node, i: int, g: str) -> TensorType:
+    t = _tensor(node, i)
+    if t.edge_graph != g:
+        _fail(node, f"input {i} (%{node.inputs[i].name}) must be an edge tensor of %{g}, got {t}")
+    return t
+
+
+def broadcast_shapes(a: tuple, b: tuple) -> tuple:
+    """Numpy broadcasting over static and symbolic dimensions; raises ValueError."""
+    out = []
+    for i in range(1, max(len(a), len(b)) + 1):
+        da = a[-i] if i <= len(a) else 1
+        db = b[-i] if i <= len(b) else 1
+        if da == db or db == 1:
+            out.append(da)
+        elif da == 1:
+            out.append(db)
+        else:
+            raise ValueError(f"cannot broadcast {da} with {db}")
+    return tuple(reversed(out))
+
+
+def _infer_binary(node) -> Type:
+    a, b = _tensor(node, 0), _tensor(node, 1)
+    try:
+        shape = broadcast_shapes(a.shape, b.shape)
+    except ValueError as e:
+        _fail(node, f"shapes {a} and {b} do not broadcast: {e}")
+    return TensorType(shape, a.dtype)
+
+
+def _infer_bias_add(node) -> Type:
+    x, b = _tensor(node, 0), _tensor(node, 1)
+    if b.rank != 1 or not x.shape or x.shape[-1] != b.shape[0]:
+        _fail(node, f"bias {b} does not match the last axis of {x}")
+    return x
+
+
+def _infer_same(node) -> Type:
+    return _tensor(node, 0)
+
+
+def _infer_matmul(node) -> Type:
+    x, w = _tensor(node, 0), _tensor(node, 1)
+    if w.rank != 2 or not w.is_static:
+        _fail(node, f"weight must be a static 2-D tensor, got {w}")
+    if x.rank < 1 or x.shape[-1] != w.shape[0]:
+        _fail(node, f"inner dimensions differ: {x} @ {w}")
+    return TensorType(x.shape[:-1] + (w.shape[1],), x.dtype)
+
+
+def _infer_gather(node) -> Type:
+    g = _graph(node, 0)
+    x = _node_tensor(node, 1)
+    return TensorType((EdgeDim(g),) + x.shape[1:], x.dtype)
+
+
+def _infer_scatter(node) -> Type:
+    g = _graph(node, 0)
+    e = _edge_tensor_of(node, 1, g)
+    return TensorType((N,) + e.shape[1:], e.dtype)
+
+
+def _infer_aggregate(node) -> Type:
+    g = _graph(node, 0)
+    x = _node_tensor(node, 1)
+    if len(node.inputs) == 3:
+        w = _edge_tensor_of(node, 2, g)
+        k = w.rank - 1
+        if w.shape[1:] != x.shape[1:1 + k] or k >= x.rank:
+            _fail(node, f"edge weight {w} must match the leading feature axes of {x}")
+    return x
+
+
+def _infer_edge_softmax(node) -> Type:
+    g = _graph(node, 0)
+    return _edge_tensor_of(node, 1, g)
+
+
+def _infer_degree(node) -> Type:
+    g = _graph(node, 0)
+    if len(node.inputs) == 2:
+        w = _edge_tensor_of(node, 1, g)
+        if w.rank != 1:
+            _fail(node, f"edge weight must be 1-D, got {w}")
+    return TensorType((N,), "float32")
+
+
+def _infer_sym_norm(node) -> Type:
+    g = _graph(node, 0)
+    if len(node.inputs) == 2:
+        w = _edge_tensor_of(node, 1, g)
+        if w.rank != 1:
+            _fail(node, f"edge weight must be 1-D, got {w}")
+    return TensorType((EdgeDim(g),), "float32")
+
+
+def _infer_self_loops(node) -> Type:
+    _graph(node, 0)
+    return node.inputs[0].ty
+
+
+def _infer_edge_remap(node) -> Type:
+    g2 = _graph(node, 0)
+    parent = node.inputs[0]
+    if parent.op != Op.SELF_LOOPS:
+        _fail(node, f"%{g2} must be made by self_loops, got {parent.op}")
+    w = _edge_tensor_of(node, 1, parent.inputs[0].name)
+    return TensorType((EdgeDim(g2),) + w.shape[1:], w.dtype)
+
+
+def _norm_axis(node, t: TensorType, axis: int) -> int:
+    ax = axis + t.rank if axis < 0 else axis
+    if not 0 <= ax < t.rank:
+        _fail(node, f"axis {axis} out of range for {t}")
+    return ax
+
+
+def _infer_concat(node) -> Type:
+    ts = [_tensor(node, i) for i in range(len(node.inputs))]
+    ax = _norm_axis(node, ts[0], node.attrs["axis"])
+    if ax == 0 and not ts[0].is_static:
+        _fail(node, "cannot concatenate along the symbolic axis 0")
+    total = 0
+    for t in ts:
+        if t.rank != ts[0].rank or any(
+                t.shape[i] != ts[0].shape[i] for i in range(t.rank) if i != ax):
+            _fail(node, f"shapes differ off the concat axis: {', '.join(map(str, ts))}")
+        total += t.shape[ax]
+    shape = list(ts[0].shape)
+    shape[ax] = total
+    return TensorType(tuple(shape), ts[0].dtype)
+
+
+def _infer_reshape(node) -> Type:
+    x = _tensor(node, 0)
+    target = list(node.attrs["shape"])
+    lead = x.shape[0] if x.shape and not isinstance(x.shape[0], int) else None
+    if lead is not None:
+        if not target or target[0] != "N" and not (isinstance(lead, EdgeDim) and target[0] == "E"):
+            _fail(node, f"reshape of {x} must keep the symbolic axis 0 (write \"N\" or \"E\")")
+        target[0] = lead
+    static_in = 1
+    for d in x.shape[1 if lead is not None else 0:]:
+        static_in *= d
+    rest = target[1 if lead is not None else 0:]
+    if sum(1 for d in rest if d == -1) > 1:
+        _fail(node, "at most one -1 in a reshape")
+    known = 1
+    for d in rest:
+        if d != -1:
+            if not isinstance(d, int) or d <= 0:
+                _fail(node, f"bad reshape dimension {d!r}")
+            known *= d
+    if -1 in rest:
+        if static_in % known:
+            _fail(node, f"cannot reshape {x} to {node.attrs['shape']}")
+        rest = [static_in // known if d == -1 else d for d in rest]
+    elif known != static_in:
+        _fail(node, f"cannot reshape {x} to {node.attrs['shape']}")
+    return TensorType(tuple(target[:1] if lead is not None else []) + tuple(rest), x.dtype)
+
+
+def _infer_reduce(node) -> Type:
+    x = _tensor(node, 0)
+    ax = _norm_axis(node, x, node.attrs["axis"])
+    shape = list(x.shape)
+    if node.attrs["keepdims"]:
+        shape[ax] = 1
+    else:
+        del shape[ax]
+    return TensorType(tuple(shape), x.dtype)
+
+
+def _infer_softmax(node) -> Type:
+    x = _tensor(node, 0)
+    _norm_axis(node, x, node.attrs["axis"])
+    return x
+
+
+_side = AttrSpec(default="src", choices=("src", "dst"))
+_reduce = AttrSpec(default="sum", choices=REDUCTIONS)
+_axis = AttrSpec(default=-1, kind=int)
+
+OPS: dict[Op, OpDef] = {d.op: d for d in [
+    OpDef(Op.INPUT, (0, 0)),
+    OpDef(Op.PARAM, (0, 0), {"init": AttrSpec(default="glorot", kind=str)}),
+    OpDef(Op.CONST, (0, 0), {"value": _num(required=True)}),
+    OpDef(Op.SELF_LOOPS, (1, 1), {"mode": AttrSpec(default="add_remaining",
+                                                   choices=("add_remaining", "remove", "add"))},
+          _infer_self_loops),
+    OpDef(Op.EDGE_REMAP, (2, 2), {"fill": _num(default=1.0)}, _infer_edge_remap),
+    OpDef(Op.DEGREE, (1, 2), {"side": AttrSpec(default="in", choices=("in", "out"))},
+          _infer_degree),
+    OpDef(Op.SYM_NORM, (1, 2), {}, _infer_sym_norm),
+    OpDef(Op.GATHER, (2, 2), {"side": _side}, _infer_gather),
+    OpDef(Op.SCATTER, (2, 2), {"reduce": _reduce}, _infer_scatter),
+    OpDef(Op.AGGREGATE, (2, 3), {"reduce": _reduce}, _infer_aggregate),
+    OpDef(Op.EDGE_SOFTMAX, (2, 2), {}, _infer_edge_softmax),
+    OpDef(Op.MATMUL, (2, 2), {}, _infer_matmul),
+    OpDef(Op.BIAS_ADD, (2, 2), {}, _infer_bias_add),
+    *[OpDef(op, (2, 2), {}, _infer_binary)
+      for op in (Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAXIMUM, Op.MINIMUM)],
+    *[OpDef(op, (1, 1), {}, _infer_same)
+      for op in (Op.RELU, Op.EXP, Op.LOG, Op.SIGMOID, Op.TANH, Op.NEG, Op.SQRT)],
+    OpDef(Op.LEAKY_RELU, (1, 1), {"alpha": _num(default=0.01)}, _infer_same),
+    OpDef(Op.ELU, (1, 1), {"alpha": _num(default=1.0)}, _infer_same),
+    OpDef(Op.POW, (1, 1), {"exponent": _num(required=True)}, _infer_same),
+    OpDef(Op.CONCAT, (1, -1), {"axis": _axis}, _infer_concat),
+    OpDef(Op.RESHAPE, (1, 1), {"shape": AttrSpec(required=True, kind=(list, tuple))},
+          _infer_reshape),
+    *[OpDef(op, (1, 1), {"axis": _axis, "keepdims": AttrSpec(default=False, kind=bool)},
+            _infer_reduce) for op in (Op.SUM, Op.MEAN, Op.MAX)],
+    OpDef(Op.SOFTMAX, (1, 1), {"axis": _axis}, _infer_softmax),
+    OpDef(Op.LOG_SOFTMAX, (1, 1), {"axis": _axis}, _infer_softmax),
+]}
+
+
+def op_from_name(name: str) -> Op:
+    try:
+        return Op(name)
+    except ValueError:
+        raise IRError(f"unknown op {name!r}; known ops: {', '.join(o.value for o in Op)}") from None
+
+
+def normalize_attrs(op: Op, attrs: dict) -> dict:
+    """Check attribute names, kinds and choices; fill in defaults."""
+    spec = OPS[op].attrs
+    for k in attrs:
+        if k not in spec:
+            raise IRError(f"{op}: unknown attribute {k!r} (known: {', '.join(spec) or 'none'})")
+    out = {}
+    for k, s in spec.items():
+        if k in attrs:
+            v = attrs[k]
+            kinds = s.kind if isinstance(s.kind, tuple) else (s.kind,)
+            # bool is an int subclass; a numeric attribute must not accept True
+            if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds
+                                            and object not in kinds):
+                raise IRError(f"{op}: attribute {k}={v!r} has the wrong kind")
+            if s.choices is not None and v not in s.choices:
+                raise IRError(f"{op}: attribute {k}={v!r} must be one of {', '.join(map(repr, s.choices))}")
+            out[k] = list(v) if isinstance(v, tuple) else v
+        elif s.required:
+            raise IRError(f"{op}: attribute {k!r} is required")
+        else:
+            out[k] = s.default
+    return out
+
+
+def infer_type(node) -> Type:
+    """Result type of ``node`` from its inputs and attributes (IRError if ill-typed)."""
+    d = OPS[node.op]
+    lo, hi = d.arity
+    if len(node.inputs) < lo or (hi >= 0 and len(node.inputs) > hi):
+        want = f"{lo}" if lo == hi else f"{lo} to {'any' if hi < 0 else hi}"
+        _fail(node, f"takes {want} inputs, got {len(node.inputs)}")
+    if d.infer is None:
+        if node.ty is None:
+            _fail(node, "needs an explicit type")
+        return node.ty
+    return d.infer(node)

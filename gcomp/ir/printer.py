@@ -1,0 +1,50 @@
+"""Deterministic text form of the Graph IR; ``gcomp.ir.parser`` reads it back.
+
+    graph gcn(%x: f32[N,1433], %g: graph<coo>) {
+      %w0 = param[init="glorot"] : f32[1433,16]
+      %h = matmul(%x, %w0) : f32[N,16]
+      return %h
+    }
+
+Attributes print as ``key=<JSON>`` in the op's declared order, so equal graphs
+print equal text and printed text can serve as a test fixture.
+"""
+
+from __future__ import annotations
+
+import json
+
+from gcomp.ir.ops import Op
+
+
+def format_attrs(attrs: dict) -> str:
+    if not attrs:
+        return ""
+    return "[" + ", ".join(f"{k}={json.dumps(v)}" for k, v in attrs.items()) + "]"
+
+
+def format_node(n, show_meta: bool = False) -> str:
+    args = ", ".join(f"%{i.name}" for i in n.inputs)
+    text = f"%{n.name} = {n.op.value}{format_attrs(n.attrs)}"
+    if n.inputs:
+        text += f"({args})"
+    text += f" : {n.ty}"
+    if show_meta and n.meta:
+        text += "  # " + ", ".join(f"{k}={_short(v)}" for k, v in sorted(n.meta.items()))
+    return text
+
+
+def _short(v) -> str:
+    s = repr(v)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+def print_graph(g, show_meta: bool = False) -> str:
+    sig = ", ".join(f"%{n.name}: {n.ty}" for n in g.inputs)
+    lines = [f"graph {g.name}({sig}) {{"]
+    for n in g:
+        if n.op != Op.INPUT:
+            lines.append("  " + format_node(n, show_meta))
+    lines.append("  return " + ", ".join(f"%{o.name}" for o in g.outputs))
+    lines.append("}")
+    return "\n".join(lines) + "\n"
