@@ -17,7 +17,7 @@ from typing import Iterable, Iterator
 
 from gcomp.errors import IRError
 from gcomp.ir.ops import OPS, Op, infer_type, normalize_attrs
-from gcomp.ir.types import Type
+from gcomp.ir.types import GraphType, Type
 
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
 
@@ -157,6 +157,16 @@ class Graph:
         node.inputs = ()
         self._nodes.remove(node)
         del self._names[node.name]
+
+    def rename(self, node: Node, name: str) -> None:
+        """Give ``node`` a free name (graph values cannot be renamed: types refer to them)."""
+        if isinstance(node.ty, GraphType):
+            raise IRError(f"cannot rename graph value %{node.name}: edge types refer to it")
+        if name in self._names or not _NAME_RE.match(name):
+            raise IRError(f"cannot rename %{node.name} to {name!r}")
+        del self._names[node.name]
+        node.name = name
+        self._names[name] = node
 
     def set_outputs(self, outputs: Iterable[Node]) -> None:
         self.outputs = list(outputs)

@@ -1,0 +1,80 @@
+"""Kernel definitions: what each kernel computes, in TensorIR, for any target.
+
+A ``KernelSpec`` names a kernel kind and its static parameters (feature widths,
+reduction, attributes).  ``define(spec)`` returns an unscheduled PrimFunc;
+``gcomp/schedules/<target>.py`` then schedules it.  Sizes that depend on the
+graph (nodes ``n``, source rows ``m``, edges ``nnz``) are symbolic int64
+variables, so one compiled kernel serves every graph.  Feature widths are
+static: the CPU backend can only vectorize loops of static extent.
+
+Graph arrays follow one convention everywhere (built by
+``gcomp/runtime/graph.py``): edges are stored in CSR order (sorted by
+destination, stable); ``indptr`` (int64, n+1) delimits each destination's
+in-edges, ``indices`` (int32) holds their sources and ``rows`` (int32) their
+destinations.  Edge tensors are stored in the same order, so reducing over a
+node's in-edges is a contiguous segment.
+
+Sparse kernels are written as a spatial block over (row, head, feature) whose
+body loops over the row's edges and accumulates straight into the output
+element: vectorizing the feature axis then keeps a row of accumulators in
+vector registers (a separate local accumulator is shared across vector lanes
+by TVM's vectorizer and gives wrong sums).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+from gcomp.errors import CompileError
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    kind: str
+    params: tuple  # sorted (key, value) pairs; values are JSON-able and hashable
+
+    @staticmethod
+    def make(kind: str, **params) -> "KernelSpec":
+        return KernelSpec(kind, tuple(sorted((k, _freeze(v)) for k, v in params.items())))
+
+    @property
+    def p(self) -> dict:
+        return dict(self.params)
+
+    @property
+    def name(self) -> str:
+        """A readable, deterministic, unique symbol name."""
+        digest = hashlib.sha1(json.dumps([self.kind, self.params]).encode()).hexdigest()[:8]
+        return f"gc_{self.kind}_{digest}"
+
+
+def _freeze(v):
+    if isinstance(v, (list, tuple)):
+        return tuple(_freeze(x) for x in v)
+    if isinstance(v, dict):
+        return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
+    return v
+
+
+_DEFINERS = {}
+
+
+def definer(kind: str):
+    def reg(fn):
+        _DEFINERS[kind] = fn
+        return fn
+    return reg
+
+
+def define(spec: KernelSpec):
+    """The unscheduled PrimFunc of ``spec``, named ``spec.name``."""
+    if spec.kind not in _DEFINERS:
+        raise CompileError(f"no kernel definition for {spec.kind!r}")
+    func = _DEFINERS[spec.kind](**spec.p)
+    return func.with_attr("global_symbol", spec.name)
+
+
+# importing the definition modules registers them
+from gcomp.codegen import dense_kernels, sparse_kernels  # noqa: E402,F401

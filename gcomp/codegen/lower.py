@@ -1,0 +1,255 @@
+"""Lower an optimized Graph IR graph to an execution plan and the kernels it calls.
+
+Expects: the graph after the pass pipeline (no bare ``scatter`` of a gathered
+message is required, but one costs an E x F buffer), with ``meta["phase"]``
+from ``hoist_graph_static``.  Produces a ``Plan`` (runtime data) and the
+``KernelSpec`` of every kernel it names.  Each IR value gets a buffer named
+after it; ``reshape`` becomes a view of its input.
+"""
+
+from __future__ import annotations
+
+from math import prod
+
+from gcomp.codegen.kernels import KernelSpec
+from gcomp.errors import CompileError
+from gcomp.ir.graph import Graph, Node
+from gcomp.ir.ops import OpGroup, Op
+from gcomp.ir.types import N, EdgeDim, GraphType, TensorType
+from gcomp.runtime.plan import Plan
+
+
+def plan_dims(ty: TensorType) -> list:
+    return ["N" if d == N else f"E:{d.graph}" if isinstance(d, EdgeDim) else int(d)
+            for d in ty.shape]
+
+
+def _spec_shape(ty: TensorType) -> tuple:
+    return tuple("n" if not isinstance(d, int) else d for d in ty.shape)
+
+
+def _role(n: Node) -> str:
+    if isinstance(n.ty, GraphType):
+        return "graph"
+    return "node" if n.ty.is_node else "edge"
+
+
+class _Lowering:
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.plan = Plan()
+        self.specs: dict[str, KernelSpec] = {}
+
+    # -------------------------------------------------------------- helpers
+    def buffer(self, n: Node, dims=None, alias: str | None = None, name: str | None = None) -> str:
+        name = name or n.name
+        entry = {"dims": dims if dims is not None else plan_dims(n.ty), "dtype": "float32"}
+        if alias is not None:
+            entry["alias"] = alias
+        self.plan.buffers[name] = entry
+        return name
+
+    def arg(self, n: Node | str, view: list | None = None) -> dict:
+        name = n if isinstance(n, str) else n.name
+        a = {"buf": name}
+        if view is not None and view != self.plan.buffers[name]["dims"]:
+            a["view"] = view
+        return a
+
+    @staticmethod
+    def garr(g: Node, array: str) -> dict:
+        return {"graph": g.name, "array": array}
+
+    def step(self, n: Node, spec: KernelSpec, args: list) -> None:
+        self.specs[spec.name] = spec
+        phase = n.meta.get("phase", "run")
+        (self.plan.bind_steps if phase == "bind" else self.plan.steps).append(
+            {"kernel": spec.name, "args": args, "node": n.name})
+
+    @staticmethod
+    def lead(n: Node) -> str:
+        d = n.ty.shape[0]
+        return "N" if d == N else f"E:{d.graph}"
+
+    def flat2(self, n: Node) -> list:
+        """[lead, prod(rest)] view of a node or edge tensor."""
+        return [self.lead(n), int(prod(n.ty.shape[1:]))]
+
+    # -------------------------------------------------------------- driver
+    def run(self) -> tuple[Plan, dict[str, KernelSpec]]:
+        for n in self.graph:
+            self.lower(n)
+        for o in self.graph.outputs:
+            if isinstance(o.ty, GraphType):
+                raise CompileError(f"output %{o.name} is a graph; outputs must be tensors")
+            out = {"name": o.name, "buffer": o.name, "role": _role(o), "dims": plan_dims(o.ty)}
+            if o.ty.edge_graph:
+                out["graph"] = o.ty.edge_graph
+            self.plan.outputs.append(out)
+        return self.plan, self.specs
+
+    def lower(self, n: Node) -> None:
+        op = n.op
+        fn = getattr(self, f"lower_{op.value}", None)
+        if fn is not None:
+            fn(n)
+        elif op in OpGroup.Elementwise:
+            self.lower_elementwise(n)
+        elif op in OpGroup.Reduce:
+            self.lower_reduce(n)
+        else:
+            raise CompileError(f"%{n.name}: no lowering for op {op}")
+
+    # -------------------------------------------------------------- leaves
+    def lower_input(self, n: Node) -> None:
+        entry = {"name": n.name, "role": _role(n)}
+        if isinstance(n.ty, GraphType):
+            self.plan.graphs.append({"name": n.name, "parent": None, "mode": None})
+        else:
+            entry["dims"] = plan_dims(n.ty)
+            if n.ty.edge_graph:
+                entry["graph"] = n.ty.edge_graph
+            self.buffer(n)
+        self.plan.inputs.append(entry)
+
+    def lower_param(self, n: Node) -> None:
+        self.buffer(n)
+        self.plan.params.append(n.name)
+
+    def lower_const(self, n: Node) -> None:
+        self.buffer(n)
+        self.plan.consts[n.name] = float(n.attrs["value"])
+
+    # -------------------------------------------------------------- graph structure
+    def lower_self_loops(self, n: Node) -> None:
+        self.plan.graphs.append({"name": n.name, "parent": n.inputs[0].name,
+                                 "mode": n.attrs["mode"]})
+
+    def lower_edge_remap(self, n: Node) -> None:
+        g2, w = n.inputs
+        self.buffer(n)
+        spec = KernelSpec.make("edge_remap", F=int(prod(w.ty.shape[1:])), fill=float(n.attrs["fill"]))
+        self.step(n, spec, [self.garr(g2, "origin"), self.arg(w, self.flat2(w)),
+                            self.arg(n, self.flat2(n))])
+
+    def lower_degree(self, n: Node) -> None:
+        g = n.inputs[0]
+        w = n.inputs[1] if len(n.inputs) > 1 else None
+        self.buffer(n)
+        self._degree(n, g, w, n.attrs["side"], n.name)
+
+    def _degree(self, n: Node, g: Node, w: Node | None, side: str, out: str) -> None:
+        if side == "in":
+            spec = KernelSpec.make("degree", weighted=w is not None, indirect=False)
+            args = [self.garr(g, "indptr")] + ([self.arg(w)] if w is not None else [])
+        else:
+            spec = KernelSpec.make("degree", weighted=w is not None, indirect=w is not None)
+            args = [self.garr(g, "csc_indptr")]
+            if w is not None:
+                args += [self.garr(g, "csc_eid"), self.arg(w)]
+        self.step(n, spec, args + [self.arg(out)])
+
+    def lower_sym_norm(self, n: Node) -> None:
+        g = n.inputs[0]
+        w = n.inputs[1] if len(n.inputs) > 1 else None
+        deg = self.buffer(n, dims=["N"], name=f"{n.name}.deg")
+        self._degree(n, g, w, "in", deg)
+        self.buffer(n)
+        spec = KernelSpec.make("sym_norm", weighted=w is not None)
+        args = [self.garr(g, "rows"), self.garr(g, "indices"), self.arg(deg)]
+        self.step(n, spec, args + ([self.arg(w)] if w is not None else []) + [self.arg(n)])
+
+    # -------------------------------------------------------------- message passing
+    def lower_gather(self, n: Node) -> None:
+        g, x = n.inputs
+        self.buffer(n)
+        spec = KernelSpec.make("take_rows", F=int(prod(x.ty.shape[1:])))
+        idx = "indices" if n.attrs["side"] == "src" else "rows"
+        self.step(n, spec, [self.garr(g, idx), self.arg(x, self.flat2(x)),
+                            self.arg(n, self.flat2(n))])
+
+    def lower_scatter(self, n: Node) -> None:
+        g, e = n.inputs
+        self.buffer(n)
+        spec = KernelSpec.make("csr_segment", reduce=n.attrs["reduce"], F=int(prod(e.ty.shape[1:])))
+        self.step(n, spec, [self.garr(g, "indptr"), self.arg(e, self.flat2(e)),
+                            self.arg(n, self.flat2(n))])
+
+    def lower_aggregate(self, n: Node) -> None:
+        g, x = n.inputs[0], n.inputs[1]
+        w = n.inputs[2] if len(n.inputs) > 2 else None
+        self.buffer(n)
+        feat = x.ty.shape[1:]
+        if w is None:
+            H, weight = 1, "none"
+        elif w.ty.rank == 1:
+            H, weight = 1, "edge"
+        else:
+            H, weight = int(prod(w.ty.shape[1:])), "head"
+        C = int(prod(feat)) // H
+        spec = KernelSpec.make("csr_agg", reduce=n.attrs["reduce"], H=H, C=C, weight=weight)
+        args = [self.garr(g, "indptr"), self.garr(g, "indices")]
+        if w is not None:
+            args.append(self.arg(w, [self.lead(w), H if weight == "head" else 1]))
+        self.step(n, spec, args + [self.arg(x, self.flat2(x)), self.arg(n, self.flat2(n))])
+
+    def lower_edge_softmax(self, n: Node) -> None:
+        g, e = n.inputs
+        self.buffer(n)
+        spec = KernelSpec.make("edge_softmax", H=int(prod(e.ty.shape[1:])))
+        self.step(n, spec, [self.garr(g, "indptr"), self.arg(e, self.flat2(e)),
+                            self.arg(n, self.flat2(n))])
+
+    # -------------------------------------------------------------- dense
+    def lower_matmul(self, n: Node) -> None:
+        x, w = n.inputs
+        if x.ty.rank != 2 or x.ty.is_static:
+            raise CompileError(f"%{n.name}: matmul needs x of shape [N or E, K], got {x.ty}")
+        self.buffer(n)
+        spec = KernelSpec.make("matmul", K=int(w.ty.shape[0]), M=int(w.ty.shape[1]))
+        self.step(n, spec, [self.arg(x), self.arg(w), self.arg(n)])
+
+    def lower_elementwise(self, n: Node) -> None:
+        self.buffer(n)
+        attrs = {k: v for k, v in n.attrs.items()}
+        spec = KernelSpec.make("ewise", op=n.op.value, attrs=attrs,
+                               in_shapes=[_spec_shape(i.ty) for i in n.inputs],
+                               out_shape=_spec_shape(n.ty))
+        self.step(n, spec, [self.arg(i) for i in n.inputs] + [self.arg(n)])
+
+    def lower_reduce(self, n: Node) -> None:
+        x = n.inputs[0]
+        self.buffer(n)
+        axis = n.attrs["axis"] % x.ty.rank
+        spec = KernelSpec.make("reduce", op=n.op.value, shape=_spec_shape(x.ty), axis=axis,
+                               keepdims=bool(n.attrs["keepdims"]))
+        self.step(n, spec, [self.arg(x), self.arg(n)])
+
+    def _softmax(self, n: Node, log: bool) -> None:
+        x = n.inputs[0]
+        if n.attrs["axis"] % x.ty.rank != x.ty.rank - 1:
+            raise CompileError(f"%{n.name}: {n.op} is compiled over the last axis only")
+        self.buffer(n)
+        self.step(n, KernelSpec.make("softmax", shape=_spec_shape(x.ty), log=log),
+                  [self.arg(x), self.arg(n)])
+
+    def lower_softmax(self, n: Node) -> None:
+        self._softmax(n, log=False)
+
+    def lower_log_softmax(self, n: Node) -> None:
+        self._softmax(n, log=True)
+
+    def lower_concat(self, n: Node) -> None:
+        self.buffer(n)
+        axis = n.attrs["axis"] % n.ty.rank
+        spec = KernelSpec.make("concat", shapes=[_spec_shape(i.ty) for i in n.inputs], axis=axis)
+        self.step(n, spec, [self.arg(i) for i in n.inputs] + [self.arg(n)])
+
+    def lower_reshape(self, n: Node) -> None:
+        src = n.inputs[0]
+        root = self.plan.buffers[src.name].get("alias", src.name)
+        self.buffer(n, alias=root)
+
+
+def lower(graph: Graph) -> tuple[Plan, dict[str, KernelSpec]]:
+    return _Lowering(graph).run()

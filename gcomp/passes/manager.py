@@ -1,0 +1,105 @@
+"""Pass infrastructure: passes, the pass context, instruments, the pass manager.
+
+A pass is a class with a ``name`` and ``run(graph, ctx) -> bool`` that edits
+the graph in place and says whether it changed anything (fx's
+``PassResult.modified``).  A ``PassContext`` carries what passes may consult
+(target, graph statistics) and the instruments that observe the pipeline
+(TVM's ``PassInstrument`` hooks: ``should_run``, ``run_before_pass``,
+``run_after_pass``, plus ``run_on_failure``).  When a pass raises, the error
+names the pass and every pass that ran before it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from gcomp.errors import GcompError
+from gcomp.ir.graph import Graph
+from gcomp.ir.verifier import verify
+
+
+class Pass:
+    """Base class; subclasses set ``name`` and implement ``run``."""
+
+    name = "pass"
+
+    def run(self, graph: Graph, ctx: "PassContext") -> bool:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class Instrument:
+    """Observes a pipeline; every hook is optional."""
+
+    def should_run(self, pass_: Pass, graph: Graph) -> bool:
+        return True
+
+    def run_before_pass(self, pass_: Pass, graph: Graph) -> None:
+        pass
+
+    def run_after_pass(self, pass_: Pass, graph: Graph, changed: bool) -> None:
+        pass
+
+    def run_on_failure(self, pass_: Pass, graph_before: Graph, error: BaseException,
+                       pipeline: list[str]) -> None:
+        pass
+
+
+@dataclass
+class PassContext:
+    target: str = "llvm"
+    instruments: Sequence[Instrument] = ()
+    disabled: frozenset = frozenset()
+    verify_each: bool = True
+    graph_stats: dict | None = None  # statistics of a graph to specialize for (None: any graph)
+    options: dict = field(default_factory=dict)
+
+
+class PassError(GcompError):
+    """A pass failed; the message names it and the passes before it."""
+
+
+class PassManager:
+    def __init__(self, passes: Sequence[Pass]):
+        self.passes = list(passes)
+        names = [p.name for p in self.passes]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"duplicate pass names: {dup}")
+
+    @property
+    def pipeline(self) -> list[str]:
+        return [p.name for p in self.passes]
+
+    def __call__(self, graph: Graph, ctx: PassContext | None = None) -> Graph:
+        ctx = ctx or PassContext()
+        unknown = set(ctx.disabled) - set(self.pipeline)
+        if unknown:
+            raise GcompError(f"cannot disable unknown pass(es) {', '.join(sorted(unknown))}; "
+                             f"passes: {', '.join(self.pipeline)}")
+        ran: list[str] = []
+        for p in self.passes:
+            if p.name in ctx.disabled or not all(i.should_run(p, graph) for i in ctx.instruments):
+                continue
+            for i in ctx.instruments:
+                i.run_before_pass(p, graph)
+            before = graph.copy()
+            try:
+                changed = bool(p.run(graph, ctx))
+                if ctx.verify_each:
+                    verify(graph)
+            except Exception as e:  # noqa: BLE001 - reported with the pipeline, then re-raised
+                for i in ctx.instruments:
+                    i.run_on_failure(p, before, e, ran + [p.name])
+                prior = ", ".join(ran) or "none"
+                msg = f"pass {p.name!r} failed: {e}\n(passes that ran before it: {prior})"
+                if isinstance(e, GcompError) and not isinstance(e, PassError):
+                    raise type(e)(msg) from e
+                raise PassError(msg) from e
+            ran.append(p.name)
+            for i in ctx.instruments:
+                i.run_after_pass(p, graph, changed)
+        return graph

@@ -1,0 +1,216 @@
+"""The ``.gcomp`` artifact: everything needed to run a compiled model.
+
+A zip archive (stored, not compressed) holding:
+
+``manifest.json``   format name and version, gcomp and TVM versions, target,
+                    model description, signature, and the SHA-256 of every
+                    other member
+``plan.json``       the execution plan (``gcomp/runtime/plan.py``)
+``params.npz``      parameter values
+``kernels.so``      the compiled kernel library (``tvm.runtime.load_module``)
+``ir/*.ir``         the Graph IR before and after the passes (for ``gcomp info``)
+
+Loading checks the format, the versions and every checksum before anything
+is executed, and needs only the TVM runtime.  Saving writes a temporary file
+and renames it, so an interrupted save never leaves a damaged artifact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import tempfile
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from gcomp import __version__
+from gcomp.errors import ArtifactError
+from gcomp.runtime.plan import PLAN_VERSION, Plan
+
+FORMAT = "gcomp-artifact"
+FORMAT_VERSION = 1
+LIB_NAME = "kernels.so"
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def tvm_version() -> str:
+    import importlib.metadata as md
+    try:
+        return md.version("apache-tvm")
+    except md.PackageNotFoundError:  # a runtime-only bundle without wheel metadata
+        import tvm
+        return tvm.__version__
+
+
+class Artifact:
+    """A compiled model: plan, parameters, kernel library, and its description."""
+
+    def __init__(self, manifest: dict, plan: Plan, params: dict[str, np.ndarray], lib_bytes: bytes,
+                 ir: dict[str, str]):
+        self.manifest = manifest
+        self.plan = plan
+        self.params = params
+        self.lib_bytes = lib_bytes
+        self.ir = ir
+        self._executor = None
+        self._libdir = None
+
+    # ------------------------------------------------------------------ description
+    @property
+    def target(self) -> dict:
+        return self.manifest["target"]
+
+    @property
+    def signature(self) -> dict:
+        return self.manifest["signature"]
+
+    def info(self) -> dict:
+        m = self.manifest
+        return {
+            "model": m["model"],
+            "target": m["target"],
+            "device_code_format": m.get("device_code_format"),
+            "gcomp_version": m["gcomp_version"],
+            "tvm_version": m["tvm_version"],
+            "format_version": m["format_version"],
+            "signature": m["signature"],
+            "kernels": self.plan.kernels(),
+            "num_kernels": len(self.plan.kernels()),
+            "ops": m.get("ops", {}),
+            "parameters": {k: list(v.shape) for k, v in self.params.items()},
+            "num_parameters": int(sum(v.size for v in self.params.values())),
+            "steps": {"bind": len(self.plan.bind_steps), "run": len(self.plan.steps)},
+            "sizes": {"kernels_so_bytes": len(self.lib_bytes),
+                      "params_bytes": int(sum(v.nbytes for v in self.params.values()))},
+        }
+
+    # ------------------------------------------------------------------ running
+    def executor(self):
+        if self._executor is None:
+            import tvm
+
+            from gcomp.runtime.executor import Executor
+            self._libdir = tempfile.TemporaryDirectory(prefix="gcomp-")
+            lib_path = Path(self._libdir.name) / LIB_NAME
+            lib_path.write_bytes(self.lib_bytes)
+            try:
+                lib = tvm.runtime.load_module(str(lib_path))
+            except Exception as e:  # noqa: BLE001
+                raise ArtifactError(f"cannot load the kernel library of this artifact: {e}") from None
+            self._executor = Executor(self.plan, lib, self.params)
+        return self._executor
+
+    def run(self, graph, features: dict | None = None) -> list[np.ndarray]:
+        return self.executor().run(graph, features)
+
+    # ------------------------------------------------------------------ files
+    def to_bytes(self) -> bytes:
+        members = {
+            "plan.json": json.dumps(self.plan.to_json(), indent=1, sort_keys=True).encode(),
+            "params.npz": _npz_bytes(self.params),
+            LIB_NAME: self.lib_bytes,
+        }
+        for name, text in self.ir.items():
+            members[f"ir/{name}.ir"] = text.encode()
+        manifest = dict(self.manifest, files={k: _sha(v) for k, v in sorted(members.items())})
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+            z.writestr("manifest.json", json.dumps(manifest, indent=1, sort_keys=True))
+            for name, data in members.items():
+                z.writestr(name, data)
+        return buf.getvalue()
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        data = self.to_bytes()
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        return path
+
+
+def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+def new_manifest(model: dict, signature: dict, target: dict, ops: dict,
+                 device_code_format: str | None = None) -> dict:
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "plan_version": PLAN_VERSION,
+        "gcomp_version": __version__,
+        "tvm_version": tvm_version(),
+        "target": target,
+        "device_code_format": device_code_format,
+        "model": model,
+        "signature": signature,
+        "ops": ops,
+    }
+
+
+def load(path: str | Path) -> Artifact:
+    """Open and check an artifact; raises ArtifactError naming what is wrong."""
+    path = Path(path)
+    try:
+        zf = zipfile.ZipFile(path)
+    except FileNotFoundError:
+        raise ArtifactError(f"artifact {str(path)!r} does not exist") from None
+    except (zipfile.BadZipFile, OSError) as e:
+        raise ArtifactError(f"{str(path)!r} is not a gcomp artifact (not a readable archive: {e})") from None
+    with zf:
+        names = set(zf.namelist())
+        if "manifest.json" not in names:
+            raise ArtifactError(f"{str(path)!r} is not a gcomp artifact (no manifest.json)")
+        try:
+            manifest = json.loads(zf.read("manifest.json"))
+        except (ValueError, zipfile.BadZipFile, OSError) as e:
+            raise ArtifactError(f"{str(path)!r}: corrupt manifest: {e}") from None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            raise ArtifactError(f"{str(path)!r} is not a gcomp artifact (manifest format "
+                                f"{manifest.get('format') if isinstance(manifest, dict) else None!r})")
+        if manifest.get("format_version") != FORMAT_VERSION:
+            raise ArtifactError(f"{str(path)!r} has artifact format version "
+                                f"{manifest.get('format_version')}; this gcomp ({__version__}) "
+                                f"reads version {FORMAT_VERSION}: recompile the model")
+        built_tvm, here = manifest.get("tvm_version"), tvm_version()
+        if built_tvm != here:
+            raise ArtifactError(f"{str(path)!r} was built with TVM {built_tvm}; this runtime has "
+                                f"TVM {here}: recompile the model with this version")
+        files = manifest.get("files") or {}
+        data = {}
+        for name, digest in files.items():
+            if name not in names:
+                raise ArtifactError(f"{str(path)!r} is corrupt: member {name} is missing")
+            try:
+                blob = zf.read(name)
+            except (zipfile.BadZipFile, OSError, ValueError) as e:
+                raise ArtifactError(f"{str(path)!r} is corrupt: cannot read {name}: {e}") from None
+            if _sha(blob) != digest:
+                raise ArtifactError(f"{str(path)!r} is corrupt: {name} does not match its SHA-256")
+            data[name] = blob
+        for required in ("plan.json", "params.npz", LIB_NAME):
+            if required not in data:
+                raise ArtifactError(f"{str(path)!r} is corrupt: the manifest lists no {required}")
+    plan = Plan.from_json(json.loads(data["plan.json"]))
+    with np.load(io.BytesIO(data["params.npz"]), allow_pickle=False) as z:
+        params = {k: np.array(z[k], dtype=np.float32) for k in z.files}
+    ir = {n[3:-3]: data[n].decode() for n in data if n.startswith("ir/")}
+    return Artifact(manifest, plan, params, data[LIB_NAME], ir)

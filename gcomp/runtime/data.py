@@ -1,0 +1,183 @@
+"""Graph and feature inputs: loading and validation.
+
+A graph file is an ``.npz`` in the format of the bundled datasets: an
+``edge_index`` (2, E) integer array (row 0 source, row 1 target); node
+features as a dense ``x`` or as CSR parts ``x_indptr``/``x_indices``/
+``x_data``/``x_shape``; optionally ``edge_weight`` (E,), ``y``, and
+``train_mask``/``val_mask``/``test_mask``, and ``num_nodes`` when there are no
+features.  ``cora`` and ``citeseer`` name the bundled datasets.
+
+Everything is checked when loaded, with errors that name the problem: indices
+out of range, negative or not integers, wrong shapes, NaN/Inf values.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import scipy.sparse as sp
+
+from gcomp.errors import InputError
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+BUNDLED = {"cora": DATA_DIR / "cora.npz", "citeseer": DATA_DIR / "citeseer.npz"}
+
+
+@dataclass
+class GraphData:
+    name: str
+    num_nodes: int
+    edge_index: np.ndarray  # (2, E) int64, validated
+    x: np.ndarray | sp.csr_matrix | None = None
+    edge_weight: np.ndarray | None = None
+    y: np.ndarray | None = None
+    train_mask: np.ndarray | None = None
+    val_mask: np.ndarray | None = None
+    test_mask: np.ndarray | None = None
+
+    @property
+    def num_edges(self) -> int:
+        return int(self.edge_index.shape[1])
+
+    @property
+    def num_features(self) -> int | None:
+        return None if self.x is None else int(self.x.shape[1])
+
+    def dense_x(self) -> np.ndarray:
+        if self.x is None:
+            raise InputError(f"graph {self.name!r} has no node features; pass them with --features")
+        if sp.issparse(self.x):
+            return np.asarray(self.x.todense(), dtype=np.float32)
+        return self.x
+
+
+def check_edge_index(edge_index, num_nodes: int, what: str = "edge_index") -> np.ndarray:
+    ei = np.asarray(edge_index)
+    if ei.ndim != 2 or ei.shape[0] != 2:
+        raise InputError(f"{what} must have shape (2, E), got {ei.shape}")
+    if ei.dtype.kind == "f":
+        if ei.size and not np.all(np.isfinite(ei)):
+            raise InputError(f"{what} holds NaN or Inf; node ids must be integers")
+        if ei.size and not np.all(ei == np.round(ei)):
+            bad = np.argwhere(ei != np.round(ei))[0]
+            raise InputError(f"{what} holds a non-integer node id {ei[tuple(bad)]!r} "
+                             f"at edge {bad[1]}")
+    elif ei.dtype.kind not in "iu":
+        raise InputError(f"{what} must hold integers, got dtype {ei.dtype}")
+    ei = ei.astype(np.int64)
+    if ei.size:
+        lo, hi = ei.min(), ei.max()
+        if lo < 0:
+            e = int(np.argwhere(ei < 0)[0][1])
+            raise InputError(f"{what} holds a negative node id {int(lo)} (edge {e})")
+        if hi >= num_nodes:
+            e = int(np.argwhere(ei >= num_nodes)[0][1])
+            raise InputError(f"{what} holds node id {int(hi)} (edge {e}), out of range for "
+                             f"{num_nodes} nodes")
+    return np.ascontiguousarray(ei)
+
+
+def check_features(x, num_nodes: int | None, what: str = "features"):
+    if sp.issparse(x):
+        data = x.data
+    else:
+        x = np.asarray(x)
+        if x.dtype.kind not in "fiub":
+            raise InputError(f"{what} must be numeric, got dtype {x.dtype}")
+        if x.ndim != 2:
+            raise InputError(f"{what} must be a 2-D [nodes, features] array, got shape {x.shape}")
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        data = x
+    if not np.all(np.isfinite(data)):
+        idx = np.argwhere(~np.isfinite(np.asarray(x.todense() if sp.issparse(x) else x)))[0]
+        raise InputError(f"{what} hold NaN or Inf (first at node {idx[0]}, feature {idx[1]})")
+    if num_nodes is not None and x.shape[0] != num_nodes:
+        raise InputError(f"{what} have {x.shape[0]} rows but the graph has {num_nodes} nodes")
+    return x.astype(np.float32) if sp.issparse(x) else x
+
+
+def check_edge_values(w, num_edges: int, what: str = "edge_weight") -> np.ndarray:
+    w = np.asarray(w)
+    if w.dtype.kind not in "fiu":
+        raise InputError(f"{what} must be numeric, got dtype {w.dtype}")
+    if w.shape[:1] != (num_edges,):
+        raise InputError(f"{what} must have {num_edges} entries (one per edge), got shape {w.shape}")
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    if not np.all(np.isfinite(w)):
+        raise InputError(f"{what} holds NaN or Inf (first at edge {int(np.argwhere(~np.isfinite(w))[0][0])})")
+    return w
+
+
+def _load_npz(path: Path) -> dict:
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+    except FileNotFoundError:
+        raise InputError(f"graph file {str(path)!r} does not exist") from None
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:
+        raise InputError(f"cannot read graph file {str(path)!r} as .npz: {e}") from None
+
+
+def load_graph(spec: str | Path) -> GraphData:
+    """Load a bundled dataset (``cora``, ``citeseer``) or a graph ``.npz`` file."""
+    key = str(spec).lower()
+    if key in BUNDLED:
+        path, name = BUNDLED[key], key
+    else:
+        path, name = Path(spec), Path(spec).stem
+        if path.suffix != ".npz" and not path.exists():
+            raise InputError(f"unknown graph {str(spec)!r}: give a .npz file or one of "
+                             f"{', '.join(BUNDLED)}")
+    d = _load_npz(path)
+    if "edge_index" not in d:
+        raise InputError(f"graph file {str(path)!r} has no 'edge_index' array "
+                         f"(it has: {', '.join(sorted(d)) or 'nothing'})")
+    x = None
+    if "x" in d:
+        x = check_features(d["x"], None, f"{name}: x")
+    elif "x_indptr" in d:
+        try:
+            shape = tuple(int(s) for s in d["x_shape"])
+            x = sp.csr_matrix((d["x_data"], d["x_indices"], d["x_indptr"]), shape=shape)
+        except (KeyError, ValueError, TypeError) as e:
+            raise InputError(f"{name}: bad CSR feature arrays (x_indptr/x_indices/x_data/x_shape): {e}") from None
+        x = check_features(x, None, f"{name}: x")
+    if x is not None:
+        num_nodes = int(x.shape[0])
+        if "num_nodes" in d and int(d["num_nodes"]) != num_nodes:
+            raise InputError(f"{name}: num_nodes={int(d['num_nodes'])} but x has {num_nodes} rows")
+    elif "num_nodes" in d:
+        num_nodes = int(d["num_nodes"])
+    else:
+        raise InputError(f"{name}: no node features (x) and no num_nodes: the node count is unknown")
+    ei = check_edge_index(d["edge_index"], num_nodes, f"{name}: edge_index")
+    g = GraphData(name, num_nodes, ei, x)
+    if "edge_weight" in d:
+        g.edge_weight = check_edge_values(d["edge_weight"], g.num_edges, f"{name}: edge_weight")
+    if "y" in d:
+        y = np.asarray(d["y"])
+        if y.shape[:1] != (num_nodes,) or y.dtype.kind not in "iu":
+            raise InputError(f"{name}: y must be {num_nodes} integer labels, got {y.dtype} {y.shape}")
+        g.y = y.astype(np.int64)
+    for m in ("train_mask", "val_mask", "test_mask"):
+        if m in d:
+            v = np.asarray(d[m])
+            if v.shape != (num_nodes,) or v.dtype != bool:
+                raise InputError(f"{name}: {m} must be {num_nodes} booleans, got {v.dtype} {v.shape}")
+            setattr(g, m, v)
+    return g
+
+
+def load_features(path: str | Path, num_nodes: int) -> np.ndarray:
+    try:
+        x = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise InputError(f"features file {str(path)!r} does not exist") from None
+    except (ValueError, OSError, EOFError) as e:
+        raise InputError(f"cannot read features file {str(path)!r} as .npy: {e}") from None
+    if isinstance(x, np.lib.npyio.NpzFile):
+        raise InputError(f"features file {str(path)!r} is an .npz; give an .npy array")
+    return check_features(x, num_nodes, f"features {str(path)!r}")

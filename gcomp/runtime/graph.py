@@ -1,0 +1,132 @@
+"""Graph preparation: CSR / CSC arrays for every graph value of a plan.
+
+Runs once when a graph is bound (numpy only; no compiler needed).  Edges are
+stored in CSR order: sorted by destination, stable, so edges into one node keep
+the order the user gave them.  For each graph value:
+
+``indptr`` (int64, n+1), ``indices`` (int32, sources), ``rows`` (int32,
+destinations): the CSR arrays kernels read.
+``perm`` (int64): CSR position -> the edge's canonical id (the user's edge id
+for an input graph; for a derived graph, the order PyG builds: kept edges in
+order, then one self loop per node).  Edge inputs are permuted into CSR order
+with it, edge outputs back out of it.
+``origin`` (int64, derived graphs): CSR position -> CSR position of the same
+edge in the parent, or -1 for a new self loop (the last existing loop of a node
+when mode is ``add_remaining``, as PyG's add_remaining_self_loops keeps it).
+``csc_indptr`` / ``csc_eid``: edges grouped by source; ``csc_eid`` maps a CSC
+slot to the CSR position of its edge (out-degrees, backward passes).
+
+Arrays are computed on first use, so a plan that never needs CSC never pays
+for it.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+import numpy as np
+
+from gcomp.errors import InputError
+
+
+class GraphStructure:
+    def __init__(self, num_nodes: int, indptr, indices, rows, perm_fn, origin=None):
+        self.num_nodes = int(num_nodes)
+        self.indptr = indptr
+        self.indices = indices
+        self.rows = rows
+        self._perm_fn = perm_fn
+        self._origin = origin
+
+    @property
+    def num_edges(self) -> int:
+        return int(self.indices.shape[0])
+
+    @cached_property
+    def perm(self) -> np.ndarray:
+        return self._perm_fn()
+
+    @property
+    def origin(self) -> np.ndarray:
+        if self._origin is None:
+            raise InputError("origin is only defined for graphs derived by self_loops")
+        return self._origin
+
+    @cached_property
+    def csc_eid(self) -> np.ndarray:
+        return np.argsort(self.indices, kind="stable").astype(np.int64)
+
+    @cached_property
+    def csc_indptr(self) -> np.ndarray:
+        counts = np.bincount(self.indices, minlength=self.num_nodes)
+        return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+    def array(self, name: str) -> np.ndarray:
+        return getattr(self, name)
+
+    # ------------------------------------------------------------------ edge values
+    def to_csr_order(self, values: np.ndarray) -> np.ndarray:
+        """Edge values in canonical order -> CSR order."""
+        return values[self.perm]
+
+    def from_csr_order(self, values: np.ndarray) -> np.ndarray:
+        out = np.empty_like(values)
+        out[self.perm] = values
+        return out
+
+    # ------------------------------------------------------------------ construction
+    @staticmethod
+    def from_edge_index(edge_index: np.ndarray, num_nodes: int) -> "GraphStructure":
+        """CSR by destination of a validated (2, E) int64 edge index."""
+        src, dst = edge_index[0], edge_index[1]
+        order = np.argsort(dst, kind="stable")
+        counts = np.bincount(dst, minlength=num_nodes)
+        indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        return GraphStructure(num_nodes, indptr, src[order].astype(np.int32),
+                              dst[order].astype(np.int32), lambda: order.astype(np.int64))
+
+    def derive(self, mode: str) -> "GraphStructure":
+        """The graph made by ``self_loops[mode]`` (see ``gcomp.ir.ops``)."""
+        n = self.num_nodes
+        is_loop = self.indices == self.rows
+        keep = np.ones(self.num_edges, bool) if mode == "add" else ~is_loop
+        kept = np.nonzero(keep)[0]
+        kept_per_row = np.bincount(self.rows[kept], minlength=n)
+        n_kept = len(kept)
+        parent = self
+
+        def kept_rank():  # canonical id of each kept edge among the kept ones
+            mask = np.zeros(parent.num_edges, bool)
+            mask[parent.perm[kept]] = True
+            return (np.cumsum(mask) - 1)[parent.perm[kept]]
+
+        if mode == "remove":
+            indptr = np.concatenate([[0], np.cumsum(kept_per_row)]).astype(np.int64)
+            return GraphStructure(n, indptr, self.indices[kept], self.rows[kept],
+                                  lambda: kept_rank().astype(np.int64), kept.astype(np.int64))
+        # each row: its kept edges in order, then its new self loop (stable order by dst)
+        counts = kept_per_row + 1
+        indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        total = int(indptr[-1])
+        loop_slot = indptr[1:] - 1
+        is_new = np.zeros(total, bool)
+        is_new[loop_slot] = True
+        indices = np.empty(total, np.int32)
+        indices[~is_new] = self.indices[kept]
+        indices[loop_slot] = np.arange(n, dtype=np.int32)
+        rows = np.repeat(np.arange(n, dtype=np.int32), counts)
+        origin = np.empty(total, np.int64)
+        origin[~is_new] = kept
+        loop_origin = np.full(n, -1, np.int64)
+        if mode == "add_remaining":
+            lp = np.nonzero(is_loop)[0]
+            np.maximum.at(loop_origin, self.rows[lp], lp)  # the last loop of a node wins
+        origin[loop_slot] = loop_origin
+
+        def perm():
+            p = np.empty(total, np.int64)
+            p[~is_new] = kept_rank()
+            p[loop_slot] = n_kept + np.arange(n)
+            return p
+
+        return GraphStructure(n, indptr, indices, rows, perm, origin)

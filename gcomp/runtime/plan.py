@@ -1,0 +1,53 @@
+"""The execution plan: what the runtime does, as plain JSON-able data.
+
+Code generation writes a plan; the runtime (which imports nothing from the
+compiler) reads it.  Dimensions are ``"N"`` (nodes), ``"E:<graph>"`` (edges of
+a graph value) or ints.
+
+* ``inputs``: name, role (``node``, ``graph``, ``edge``), dims, and for edge
+  inputs the graph they belong to.
+* ``graphs``: graph values in definition order; a derived graph names its
+  parent and the self-loop mode that makes it.
+* ``buffers``: every tensor the plan touches: dims and, for views, the buffer
+  they alias (a reshape costs nothing).
+* ``bind_steps`` run once per bound graph, ``steps`` on every run.  A step is
+  a kernel name and its arguments: ``{"buf": name, "view": dims?}`` or
+  ``{"graph": name, "array": "indptr" | "indices" | "rows" | "csc_indptr" |
+  "csc_eid" | "origin"}``.
+* ``params``: parameter names (buffers of the same name); ``consts``: scalar
+  buffers and their values.
+* ``outputs``: name, buffer, role, and for edge outputs their graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+PLAN_VERSION = 1
+GRAPH_ARRAYS = ("indptr", "indices", "rows", "csc_indptr", "csc_eid", "origin")
+
+
+@dataclass
+class Plan:
+    inputs: list[dict] = field(default_factory=list)
+    outputs: list[dict] = field(default_factory=list)
+    graphs: list[dict] = field(default_factory=list)
+    buffers: dict[str, dict] = field(default_factory=dict)
+    params: list[str] = field(default_factory=list)
+    consts: dict[str, float] = field(default_factory=dict)
+    bind_steps: list[dict] = field(default_factory=list)
+    steps: list[dict] = field(default_factory=list)
+    version: int = PLAN_VERSION
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(d: dict) -> "Plan":
+        return Plan(**d)
+
+    def kernels(self) -> list[str]:
+        seen = {}
+        for s in self.bind_steps + self.steps:
+            seen.setdefault(s["kernel"], None)
+        return list(seen)

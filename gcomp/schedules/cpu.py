@@ -1,0 +1,120 @@
+"""CPU (LLVM) schedules: row-parallel, feature-vectorized.
+
+Each function takes a ``tvm.s_tir.Schedule`` holding one kernel (see
+``gcomp/codegen/kernels.py``) and its spec.  The common shape: parallelize the
+outermost (row or edge) loop across threads, vectorize the innermost static
+feature loop in chunks the vector unit holds.  Sparse kernels keep their
+data-dependent edge loop inside the block body, so the vectorized feature lanes
+each accumulate one output element.
+"""
+
+from __future__ import annotations
+
+VEC = 16  # floats per vectorized chunk: two AVX2 registers, one AVX-512 register
+
+
+def _vector_split(sch, loop, extent: int):
+    """Vectorize ``loop`` (static ``extent``) whole if small, else in VEC-wide chunks."""
+    if extent <= 1:
+        return
+    if extent <= 2 * VEC and extent % 4 == 0:
+        sch.vectorize(loop)
+        return
+    for width in (VEC, 8, 4):
+        if extent % width == 0:
+            _, inner = sch.split(loop, [None, width])
+            sch.vectorize(inner)
+            return
+    # odd widths (e.g. 1433 bag-of-words features): vectorize the divisible part only
+    # would need a second loop; a predicated split keeps one loop and stays correct
+    _, inner = sch.split(loop, [None, VEC])
+    sch.vectorize(inner)
+
+
+def _rows(sch, block: str, feature_extent: int | None):
+    blk = sch.get_sblock(block)
+    loops = sch.get_loops(blk)
+    if feature_extent is not None and len(loops) >= 2:
+        _vector_split(sch, loops[-1], feature_extent)
+    sch.parallel(loops[0])
+
+
+def schedule(sch, spec) -> None:
+    p = spec.p
+    kind = spec.kind
+    if kind == "csr_agg":
+        _rows(sch, "row", p["C"])
+    elif kind == "csr_segment":
+        _rows(sch, "row", p["F"])
+    elif kind == "take_rows":
+        _rows(sch, "take", p["F"])
+    elif kind == "edge_remap":
+        _rows(sch, "remap", p["F"])
+    elif kind == "edge_softmax":
+        sch.parallel(sch.get_loops(sch.get_sblock("row"))[0])
+    elif kind == "degree":
+        sch.parallel(sch.get_loops(sch.get_sblock("deg"))[0])
+    elif kind == "sym_norm":
+        sch.parallel(sch.get_loops(sch.get_sblock("norm"))[0])
+    elif kind == "matmul":
+        _matmul(sch, p["M"])
+    elif kind in ("ewise", "concat"):
+        _elementwise(sch, "ewise" if kind == "ewise" else "concat")
+    elif kind == "reduce":
+        _reduce(sch, p)
+    elif kind == "softmax":
+        _softmax(sch)
+    else:
+        raise KeyError(kind)
+
+
+def _matmul(sch, M: int) -> None:
+    blk = sch.get_sblock("matmul")
+    i, j, k = sch.get_loops(blk)
+    io, ii = sch.split(i, [None, 16])
+    sch.reorder(io, ii, k, j)
+    sch.parallel(io)
+    _vector_split(sch, j, M)
+    sch.decompose_reduction(blk, k)
+
+
+def _static_extent(sch, loop):
+    ext = sch.get(loop).extent
+    return int(ext) if hasattr(ext, "value") or isinstance(ext, int) else None
+
+
+def _elementwise(sch, name: str) -> None:
+    blk = sch.get_sblock(name)
+    loops = sch.get_loops(blk)
+    if not loops:
+        return
+    if _static_extent(sch, loops[0]) is not None:
+        return  # a small static tensor (parameter arithmetic): serial is fastest
+    if len(loops) > 1:  # symbolic leading axis: rows in parallel, static rest vectorized
+        inner = sch.fuse(*loops[1:]) if len(loops) > 2 else loops[1]
+        _vector_split(sch, inner, _static_extent(sch, inner))
+    sch.parallel(loops[0])
+
+
+def _reduce(sch, p) -> None:
+    blk = sch.get_sblock("reduce")
+    loops = sch.get_loops(blk)
+    if _static_extent(sch, loops[0]) is None and p["axis"] != 0:
+        sch.parallel(loops[0])
+    if p["op"] == "mean":
+        mean = sch.get_sblock("mean")
+        mloops = sch.get_loops(mean)
+        if mloops and _static_extent(sch, mloops[0]) is None:
+            sch.parallel(mloops[0])
+
+
+def _softmax(sch) -> None:
+    out = sch.get_sblock("softmax")
+    loops = sch.get_loops(out)
+    row = loops[0]
+    if len(loops) > 2:
+        row = sch.fuse(*loops[:-1])
+    sch.compute_at(sch.get_sblock("rowsum"), row)
+    sch.compute_at(sch.get_sblock("rowmax"), row)
+    if _static_extent(sch, sch.get_loops(out)[0]) is None or len(loops) > 2:
+        sch.parallel(row)
