@@ -40,7 +40,9 @@ class Model:
         def role(n):
             if isinstance(n.ty, GraphType):
                 return "graph"
-            return "node" if n.ty.is_node else "edge"
+            if n.ty.is_node:
+                return "node"
+            return "edge" if n.ty.edge_graph else "tensor"
         return {
             "inputs": [{"name": n.name, "role": role(n), "type": str(n.ty)} for n in self.graph.inputs],
             "outputs": [{"name": n.name, "role": role(n), "type": str(n.ty)}

@@ -31,7 +31,9 @@ def _spec_shape(ty: TensorType) -> tuple:
 def _role(n: Node) -> str:
     if isinstance(n.ty, GraphType):
         return "graph"
-    return "node" if n.ty.is_node else "edge"
+    if n.ty.is_node:
+        return "node"
+    return "edge" if n.ty.edge_graph else "tensor"
 
 
 class _Lowering:

@@ -36,6 +36,7 @@ def apply_rules(graph: Graph, rules: Sequence[Rule], max_rounds: int = 100) -> b
     changed = False
     for _ in range(max_rounds):
         replaced: list[tuple[str, Node]] = []
+        existing = set(graph.nodes)
         for n in graph.nodes:  # nothing is erased until the round ends
             for ops, fn in rules:
                 if n.op in ops:
@@ -49,9 +50,10 @@ def apply_rules(graph: Graph, rules: Sequence[Rule], max_rounds: int = 100) -> b
             break
         changed = True
         remove_dead(graph)
-        # a fresh value that took over a dead one inherits its name, so printed IR stays readable
+        # a value created this round that took over a dead one inherits its name, so printed
+        # IR stays readable
         for old_name, new in replaced:
-            if not graph.has(old_name) and graph.has(new.name) and graph.node(new.name) is new \
-                    and not isinstance(new.ty, GraphType) and new.op != Op.INPUT:
+            if (new not in existing and not graph.has(old_name) and graph.has(new.name)
+                    and not isinstance(new.ty, GraphType)):
                 graph.rename(new, old_name)
     return changed

@@ -5,7 +5,8 @@ A graph file is an ``.npz`` in the format of the bundled datasets: an
 features as a dense ``x`` or as CSR parts ``x_indptr``/``x_indices``/
 ``x_data``/``x_shape``; optionally ``edge_weight`` (E,), ``y``, and
 ``train_mask``/``val_mask``/``test_mask``, and ``num_nodes`` when there are no
-features.  ``cora`` and ``citeseer`` name the bundled datasets.
+features.  ``cora`` and ``citeseer`` name the bundled datasets; ``pubmed-synth``,
+``arxiv-synth`` and ``reddit-synth`` name seeded synthetic graphs of those sizes.
 
 Everything is checked when loaded, with errors that name the problem: indices
 out of range, negative or not integers, wrong shapes, NaN/Inf values.
@@ -63,7 +64,7 @@ def check_edge_index(edge_index, num_nodes: int, what: str = "edge_index") -> np
             raise InputError(f"{what} holds NaN or Inf; node ids must be integers")
         if ei.size and not np.all(ei == np.round(ei)):
             bad = np.argwhere(ei != np.round(ei))[0]
-            raise InputError(f"{what} holds a non-integer node id {ei[tuple(bad)]!r} "
+            raise InputError(f"{what} holds a non-integer node id {float(ei[tuple(bad)])} "
                              f"at edge {bad[1]}")
     elif ei.dtype.kind not in "iu":
         raise InputError(f"{what} must hold integers, got dtype {ei.dtype}")
@@ -124,13 +125,16 @@ def _load_npz(path: Path) -> dict:
 def load_graph(spec: str | Path) -> GraphData:
     """Load a bundled dataset (``cora``, ``citeseer``) or a graph ``.npz`` file."""
     key = str(spec).lower()
+    from gcomp.runtime import synthetic
+    if key in synthetic.SIZES:
+        return synthetic.named(key)
     if key in BUNDLED:
         path, name = BUNDLED[key], key
     else:
         path, name = Path(spec), Path(spec).stem
         if path.suffix != ".npz" and not path.exists():
             raise InputError(f"unknown graph {str(spec)!r}: give a .npz file or one of "
-                             f"{', '.join(BUNDLED)}")
+                             f"{', '.join(list(BUNDLED) + list(synthetic.SIZES))}")
     d = _load_npz(path)
     if "edge_index" not in d:
         raise InputError(f"graph file {str(path)!r} has no 'edge_index' array "

@@ -1,0 +1,210 @@
+"""The ``gcomp`` command line.
+
+    gcomp compile MODEL -t llvm -o OUT.gcomp [--in F --hidden H --out C --layers L --heads K]
+    gcomp run ART --graph GRAPH --out Y.npy [--features X.npy]
+    gcomp info ART [--json]
+
+User errors print one line on stderr and exit with code 2 (``--debug`` shows
+the traceback).  Commands that only run artifacts import no compiler code, so
+they work with the TVM runtime alone (``TVM_USE_RUNTIME_LIB=1``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from gcomp.errors import GcompError
+
+EXIT_USER_ERROR = 2
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _check_output_path(out: Path, inputs: list[Path], kind: str) -> None:
+    """Refuse to write over an input of this command."""
+    for i in inputs:
+        if _same_file(out, i) or out.resolve() == i.resolve():
+            raise GcompError(f"refusing to write the {kind} to {str(out)!r}: it is an input of "
+                             "this command")
+    if out.exists() and out.is_dir():
+        raise GcompError(f"{str(out)!r} is a directory")
+    if not out.parent.exists():
+        raise GcompError(f"directory {str(out.parent)!r} does not exist")
+
+
+def _save_npy_atomic(path: Path, array) -> None:
+    import numpy as np
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".npy", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, array)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+# ---------------------------------------------------------------------- compile
+def _model_from_args(args):
+    if str(args.model).endswith(".onnx"):
+        raise GcompError("ONNX import is not available in this version of gcomp")
+    import gcomp.models as models
+    return models.build(args.model, in_channels=args.in_channels, hidden=args.hidden,
+                        out_channels=args.out_channels, layers=args.layers, heads=args.heads,
+                        seed=args.seed, edge_weight=args.edge_weight)
+
+
+def cmd_compile(args) -> int:
+    from gcomp.compiler import compile_model
+    from gcomp.runtime.artifact import FORMAT
+
+    out = Path(args.output)
+    _check_output_path(out, [Path(args.model)], "artifact")
+    if out.exists() and not args.force:
+        import zipfile
+        try:
+            with zipfile.ZipFile(out) as z:
+                is_artifact = FORMAT in z.read("manifest.json").decode()
+        except (zipfile.BadZipFile, KeyError, OSError, UnicodeDecodeError):
+            is_artifact = False
+        if not is_artifact:
+            raise GcompError(f"{str(out)!r} exists and is not a gcomp artifact; not overwriting "
+                             "it (use --force)")
+    t0 = time.perf_counter()
+    model = _model_from_args(args)
+    art = compile_model(model, args.target, mcpu=args.mcpu)
+    art.save(out)
+    dt = time.perf_counter() - t0
+    print(f"compiled {model.name} for {args.target} in {dt:.2f} s: {len(art.plan.kernels())} "
+          f"kernels, {art.info()['num_parameters']} parameters -> {out}", file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------- run
+def cmd_run(args) -> int:
+    import numpy as np
+
+    from gcomp.runtime import artifact
+    from gcomp.runtime.data import load_features, load_graph
+
+    out = Path(args.out)
+    inputs = [Path(args.artifact)] + ([Path(args.graph)] if Path(args.graph).exists() else [])
+    if args.features:
+        inputs.append(Path(args.features))
+    _check_output_path(out, inputs, "output")
+    art = artifact.load(args.artifact)
+    graph = load_graph(args.graph)
+    node_inputs = [i for i in art.plan.inputs if i["role"] == "node"]
+    if args.features:
+        x = load_features(args.features, graph.num_nodes)
+    else:
+        x = graph.dense_x()
+    features = {i["name"]: x for i in node_inputs}
+    ex = art.executor()
+    t0 = time.perf_counter()
+    binding = ex.bind(graph)
+    t1 = time.perf_counter()
+    ex.feed(binding, features)
+    ex.execute(binding)
+    y = ex.outputs(binding)[0]
+    t2 = time.perf_counter()
+    _save_npy_atomic(out, np.asarray(y))
+    print(f"{graph.name}: {graph.num_nodes} nodes, {graph.num_edges} edges -> output "
+          f"{tuple(y.shape)} in {out} (bind {1e3 * (t1 - t0):.1f} ms, run {1e3 * (t2 - t1):.1f} ms)",
+          file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------- info
+def cmd_info(args) -> int:
+    from gcomp.runtime import artifact
+
+    art = artifact.load(args.artifact)
+    info = art.info()
+    if args.json:
+        print(json.dumps(info, indent=1, sort_keys=True))
+        return 0
+    m = info["model"]
+    print(f"artifact   {args.artifact}")
+    print(f"model      {m.get('name')} {json.dumps({k: v for k, v in m.items() if k != 'name'})}")
+    print(f"target     {json.dumps(info['target'])}")
+    print(f"versions   gcomp {info['gcomp_version']}, TVM {info['tvm_version']}, "
+          f"format {info['format_version']}")
+    for io_ in ("inputs", "outputs"):
+        for s in info["signature"][io_]:
+            print(f"{io_[:-1]:<10} {s['name']}: {s['type']} ({s['role']})")
+    print(f"ops        {', '.join(f'{k} x{v}' for k, v in info['ops'].items())}")
+    print(f"kernels    {info['num_kernels']} ({info['steps']['bind']} bind-time steps, "
+          f"{info['steps']['run']} run steps)")
+    print(f"parameters {info['num_parameters']} in {len(info['parameters'])} tensors")
+    for k, shape in info["parameters"].items():
+        print(f"           {k}: {shape}")
+    print(f"sizes      kernels {info['sizes']['kernels_so_bytes']} B, parameters "
+          f"{info['sizes']['params_bytes']} B")
+    return 0
+
+
+# ---------------------------------------------------------------------- main
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gcomp", description="An optimizing compiler for GNNs.")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("compile", help="compile a model into an artifact")
+    c.add_argument("model", help="bundled model (gcn, sage, gin, gat) or an .onnx file")
+    c.add_argument("-t", "--target", default="llvm", choices=["llvm", "cuda"])
+    c.add_argument("-o", "--output", required=True, help="artifact path (.gcomp)")
+    c.add_argument("--in", dest="in_channels", type=int, default=1433, help="input features")
+    c.add_argument("--hidden", type=int, default=16)
+    c.add_argument("--out", dest="out_channels", type=int, default=7, help="output features")
+    c.add_argument("--layers", type=int, default=2)
+    c.add_argument("--heads", type=int, default=4, help="attention heads (gat)")
+    c.add_argument("--seed", type=int, default=0, help="parameter initialization seed")
+    c.add_argument("--edge-weight", action="store_true", help="gcn: take edge weights")
+    c.add_argument("--mcpu", default=None, help="llvm CPU (default: this machine's)")
+    c.add_argument("--force", action="store_true", help="overwrite a file that is not an artifact")
+    c.set_defaults(func=cmd_compile)
+
+    r = sub.add_parser("run", help="run an artifact on a graph")
+    r.add_argument("artifact")
+    r.add_argument("--graph", required=True, help="graph .npz or a bundled dataset (cora, citeseer)")
+    r.add_argument("--features", default=None, help="node features .npy (default: the graph's x)")
+    r.add_argument("--out", required=True, help="where to write the output (.npy)")
+    r.set_defaults(func=cmd_run)
+
+    i = sub.add_parser("info", help="describe an artifact")
+    i.add_argument("artifact")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=cmd_info)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except GcompError as e:
+        if args.debug:
+            raise
+        print(f"gcomp: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("gcomp: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

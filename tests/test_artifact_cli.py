@@ -1,0 +1,218 @@
+"""Artifacts (save, load, checks, runtime-only runs) and the CLI (compile, run, info, errors)."""
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import ref_inputs, rel_err
+
+import gcomp.models as models
+from gcomp.cli import main
+from gcomp.compiler import compile_model
+from gcomp.errors import ArtifactError
+from gcomp.ir import interpret
+from gcomp.runtime import artifact
+from gcomp.runtime.data import load_graph
+
+
+@pytest.fixture(scope="module")
+def gcn_art(tmp_path_factory):
+    path = tmp_path_factory.mktemp("art") / "gcn.gcomp"
+    assert main(["compile", "gcn", "--in", "1433", "--hidden", "16", "--out", "7", "-o",
+                 str(path)]) == 0
+    return path
+
+
+def test_saved_artifact_runs_and_matches_reference(gcn_art):
+    art = artifact.load(gcn_art)
+    m = models.build("gcn", 1433, hidden=16, out_channels=7)  # same seed: same parameters
+    g = load_graph("cora")
+    ref = interpret(m.graph, ref_inputs(m.graph, g), m.params)[0]
+    assert rel_err(art.run(g)[0], ref) <= 1e-4
+    info = art.info()
+    assert info["target"]["kind"] == "llvm" and info["tvm_version"].startswith("0.27")
+    assert info["num_parameters"] == 1433 * 16 + 16 + 16 * 7 + 7
+
+
+def test_save_is_atomic_and_round_trips(tmp_path):
+    m = models.build("gin", 5, hidden=4, out_channels=2)
+    art = compile_model(m)
+    p = art.save(tmp_path / "a.gcomp")
+    again = artifact.load(p)
+    assert again.plan == art.plan and again.lib_bytes == art.lib_bytes
+    assert all(np.array_equal(again.params[k], art.params[k]) for k in art.params)
+    assert [f.name for f in tmp_path.iterdir()] == ["a.gcomp"]  # no temporary left behind
+
+
+def _rewrite(src: Path, dst: Path, edit) -> None:
+    with zipfile.ZipFile(src) as z:
+        members = {n: z.read(n) for n in z.namelist()}
+    edit(members)
+    with zipfile.ZipFile(dst, "w") as z:
+        for n, d in members.items():
+            z.writestr(n, d)
+
+
+def test_corrupt_member_is_detected(gcn_art, tmp_path):
+    bad = tmp_path / "bad.gcomp"
+
+    def flip(m):
+        lib = bytearray(m["kernels.so"])
+        lib[len(lib) // 2] ^= 0xFF
+        m["kernels.so"] = bytes(lib)
+    _rewrite(gcn_art, bad, flip)
+    with pytest.raises(ArtifactError, match="kernels.so does not match its SHA-256"):
+        artifact.load(bad)
+
+
+@pytest.mark.parametrize("field,value,msg", [
+    ("format_version", 99, "format version 99"),
+    ("tvm_version", "0.1.0", "built with TVM 0.1.0"),
+    ("format", "something-else", "not a gcomp artifact"),
+])
+def test_version_and_format_checks(gcn_art, tmp_path, field, value, msg):
+    bad = tmp_path / "v.gcomp"
+
+    def edit(m):
+        man = json.loads(m["manifest.json"])
+        man[field] = value
+        m["manifest.json"] = json.dumps(man).encode()
+    _rewrite(gcn_art, bad, edit)
+    with pytest.raises(ArtifactError, match=msg):
+        artifact.load(bad)
+
+
+def test_truncated_and_foreign_files(gcn_art, tmp_path):
+    trunc = tmp_path / "t.gcomp"
+    trunc.write_bytes(gcn_art.read_bytes()[: gcn_art.stat().st_size // 2])
+    with pytest.raises(ArtifactError, match="not a gcomp artifact|corrupt"):
+        artifact.load(trunc)
+    text = tmp_path / "x.gcomp"
+    text.write_text("hello")
+    with pytest.raises(ArtifactError, match="not a gcomp artifact"):
+        artifact.load(text)
+    missing = tmp_path / "m.gcomp"
+    _rewrite(gcn_art, missing, lambda m: m.pop("plan.json"))
+    with pytest.raises(ArtifactError, match="plan.json is missing"):
+        artifact.load(missing)
+
+
+RUNTIME_ONLY = """
+import sys
+from gcomp.cli import main
+rc = main(sys.argv[1:])
+maps = open('/proc/self/maps').read()
+assert 'libtvm_compiler' not in maps, 'the TVM compiler library was loaded'
+compiler_modules = [m for m in sys.modules if m.startswith(('gcomp.codegen', 'gcomp.compiler',
+                    'gcomp.passes', 'gcomp.schedules'))]
+assert not compiler_modules, compiler_modules
+sys.exit(rc)
+"""
+
+
+def test_run_in_a_runtime_only_process(gcn_art, tmp_path):
+    out = tmp_path / "y.npy"
+    env = dict(os.environ, TVM_USE_RUNTIME_LIB="1")
+    r = subprocess.run([sys.executable, "-c", RUNTIME_ONLY, "run", str(gcn_art), "--graph", "cora",
+                        "--out", str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    y = np.load(out)
+    m = models.build("gcn", 1433, hidden=16, out_channels=7)
+    g = load_graph("cora")
+    assert rel_err(y, interpret(m.graph, ref_inputs(m.graph, g), m.params)[0]) <= 1e-4
+
+
+def test_cli_info(gcn_art, capsys):
+    assert main(["info", str(gcn_art), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["target"]["kind"] == "llvm" and info["ops"]["aggregate"] == 2
+    assert info["signature"]["inputs"][0] == {"name": "x", "role": "node", "type": "f32[N,1433]"}
+    assert main(["info", str(gcn_art)]) == 0
+    assert "convs.0.lin.weight: [1433, 16]" in capsys.readouterr().out
+
+
+def test_cli_run_with_features_file(gcn_art, tmp_path):
+    g = load_graph("cora")
+    x = np.random.default_rng(0).standard_normal((g.num_nodes, 1433)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    assert main(["run", str(gcn_art), "--graph", "cora", "--features", str(tmp_path / "x.npy"),
+                 "--out", str(tmp_path / "y.npy")]) == 0
+    m = models.build("gcn", 1433, hidden=16, out_channels=7)
+    ref = interpret(m.graph, ref_inputs(m.graph, g, x), m.params)[0]
+    assert rel_err(np.load(tmp_path / "y.npy"), ref) <= 1e-4
+
+
+def _err(argv, capsys):
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.startswith("gcomp: error: ") and err.count("\n") == 1 and "Traceback" not in err
+    return err
+
+
+def _graph_file(tmp_path, **arrays):
+    p = tmp_path / "g.npz"
+    base = {"edge_index": np.array([[0, 1, 2], [1, 2, 0]]), "x": np.ones((3, 1433), np.float32)}
+    base.update(arrays)
+    np.savez(p, **{k: v for k, v in base.items() if v is not None})
+    return str(p)
+
+
+@pytest.mark.parametrize("arrays,msg", [
+    ({"edge_index": np.array([[0, 1, 5], [1, 2, 0]])}, "node id 5 \\(edge 2\\), out of range for 3 nodes"),
+    ({"edge_index": np.array([[0, -1, 2], [1, 2, 0]])}, "negative node id -1 \\(edge 1\\)"),
+    ({"edge_index": np.array([[0, 1.5, 2], [1, 2, 0]])}, "non-integer node id 1.5"),
+    ({"edge_index": np.array([0, 1, 2])}, "shape \\(2, E\\)"),
+    ({"edge_index": None}, "no 'edge_index'"),
+    ({"x": np.full((3, 1433), np.nan, np.float32)}, "NaN or Inf"),
+    ({"x": np.ones((3, 100), np.float32)}, "expects 1433 features per node, got 100"),
+    ({"x": np.ones(3, np.float32)}, "2-D"),
+    ({"y": np.ones(4, np.int64)}, "y must be 3 integer labels"),
+])
+def test_cli_bad_graphs(gcn_art, tmp_path, capsys, arrays, msg):
+    import re
+    err = _err(["run", str(gcn_art), "--graph", _graph_file(tmp_path, **arrays), "--out",
+                str(tmp_path / "y.npy")], capsys)
+    assert re.search(msg, err), err
+
+
+def test_cli_refuses_to_overwrite_inputs(gcn_art, tmp_path, capsys):
+    before = gcn_art.read_bytes()
+    err = _err(["run", str(gcn_art), "--graph", "cora", "--out", str(gcn_art)], capsys)
+    assert "is an input" in err and gcn_art.read_bytes() == before
+    g = _graph_file(tmp_path)
+    _err(["run", str(gcn_art), "--graph", g, "--out", g], capsys)
+    user_file = tmp_path / "notes.txt"
+    user_file.write_text("mine")
+    err = _err(["compile", "gcn", "-o", str(user_file)], capsys)
+    assert "not a gcomp artifact" in err and user_file.read_text() == "mine"
+
+
+def test_cli_other_errors(gcn_art, tmp_path, capsys):
+    _err(["run", str(tmp_path / "nope.gcomp"), "--graph", "cora", "--out", str(tmp_path / "y.npy")],
+         capsys)
+    _err(["run", str(gcn_art), "--graph", "pubmedx", "--out", str(tmp_path / "y.npy")], capsys)
+    _err(["compile", "transformer", "-o", str(tmp_path / "t.gcomp")], capsys)
+    _err(["run", str(gcn_art), "--graph", "cora", "--out", str(tmp_path / "no" / "y.npy")], capsys)
+    bad_feats = tmp_path / "f.npy"
+    bad_feats.write_bytes(b"garbage")
+    _err(["run", str(gcn_art), "--graph", "cora", "--features", str(bad_feats), "--out",
+          str(tmp_path / "y.npy")], capsys)
+
+
+def test_cli_debug_shows_traceback(gcn_art, tmp_path):
+    with pytest.raises(ArtifactError):
+        main(["--debug", "info", str(tmp_path / "nope.gcomp")])
+
+
+def test_gcomp_console_script(gcn_art, tmp_path):
+    r = subprocess.run(["gcomp", "info", str(gcn_art)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "aggregate x2" in r.stdout
+    r = subprocess.run(["gcomp", "info", str(tmp_path / "none.gcomp")], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("gcomp: error:")

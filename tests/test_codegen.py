@@ -1,0 +1,48 @@
+"""Code generation structure: index widths, no per-edge feature buffers, the compile cache."""
+
+import pytest
+
+import gcomp.models as models
+from gcomp.codegen.build import build_library, make_target
+from gcomp.codegen.kernels import KernelSpec, define
+from gcomp.codegen.lower import lower
+from gcomp.passes import default_pipeline
+
+
+def test_edge_offsets_are_64_bit():
+    """Graphs with nnz >= 2^31 need 64-bit row offsets and edge loop counters."""
+    import re
+
+    f = define(KernelSpec.make("csr_agg", reduce="sum", H=1, C=16, weight="edge"))
+    text = f.script()
+    assert re.search(r'indptr: T.Buffer\(\("n \+ T.int64\(1\)",\), "int64"', text), text
+    assert re.search(r'indices: T.Buffer\(\(nnz,\), "int32"', text)  # node ids: N < 2^31
+    # the edge loop runs between int64 offsets, so its counter is int64 too
+    assert "for j in range(indptr[vi], indptr[vi] + (indptr[vi + T.int64(1)] - indptr[vi]))" in text
+
+
+@pytest.mark.parametrize("name", ["gcn", "sage", "gin"])
+def test_no_per_edge_feature_buffer(name):
+    m = models.build(name, 32, hidden=16, out_channels=4, layers=3)
+    plan, _ = lower(default_pipeline()(m.graph.copy()))
+    for buf, b in plan.buffers.items():
+        if str(b["dims"][0]).startswith("E:"):
+            assert b["dims"][1:] in ([], [1]), (buf, b)  # edge scalars (norms) only
+
+
+def test_gat_keeps_only_per_head_edge_scores():
+    m = models.build("gat", 32, hidden=16, out_channels=4, layers=2, heads=4)
+    plan, _ = lower(default_pipeline()(m.graph.copy()))
+    widths = {tuple(b["dims"][1:]) for b in plan.buffers.values() if str(b["dims"][0]).startswith("E:")}
+    assert widths <= {(4,), (1,), ()}, widths
+
+
+def test_compile_cache_reuses_libraries():
+    m = models.build("gcn", 8, hidden=4, out_channels=2)
+    plan, specs = lower(default_pipeline()(m.graph.copy()))
+    p1 = build_library(specs, make_target("llvm"))
+    mtime = p1.stat().st_mtime_ns
+    p2 = build_library(specs, make_target("llvm"))
+    assert p1 == p2 and p2.stat().st_mtime_ns == mtime
+    other = build_library(specs, make_target("llvm", mcpu="x86-64"))
+    assert other != p1

@@ -1,0 +1,155 @@
+"""Each pass alone on a tiny graph, compared with the expected IR text (Before/Expected)."""
+
+import pytest
+
+from gcomp.errors import GcompError
+from gcomp.ir import parse_graph, print_graph
+from gcomp.passes import (Canonicalize, DeadCodeElimination, FuseAggregate, HoistGraphStatic,
+                          Instrument, PassContext, PassError, PassManager)
+
+
+def run_pass(p, before: str) -> str:
+    g = parse_graph(before)
+    PassManager([p])(g)
+    return print_graph(g)
+
+
+def same(after: str, expected: str) -> None:
+    assert after == print_graph(parse_graph(expected))
+
+
+def test_fuse_weighted_gcn_message():
+    before = """graph t(%x: f32[N,4], %g: graph<coo>) {
+  %g1 = self_loops[mode="add_remaining"](%g) : graph<coo>
+  %norm = sym_norm(%g1) : f32[E(g1)]
+  %n2 = reshape[shape=["E", 1]](%norm) : f32[E(g1),1]
+  %xj = gather[side="src"](%g1, %x) : f32[E(g1),4]
+  %m = mul(%n2, %xj) : f32[E(g1),4]
+  %y = scatter[reduce="sum"](%g1, %m) : f32[N,4]
+  return %y
+}"""
+    expected = """graph t(%x: f32[N,4], %g: graph<coo>) {
+  %g1 = self_loops[mode="add_remaining"](%g) : graph<coo>
+  %norm = sym_norm(%g1) : f32[E(g1)]
+  %y = aggregate[reduce="sum"](%g1, %x, %norm) : f32[N,4]
+  return %y
+}"""
+    same(run_pass(FuseAggregate(), before), expected)
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean", "max"])
+def test_fuse_plain_message(reduce):
+    before = f"""graph t(%x: f32[N,4], %g: graph<coo>) {{
+  %xj = gather[side="src"](%g, %x) : f32[E(g),4]
+  %y = scatter[reduce="{reduce}"](%g, %xj) : f32[N,4]
+  return %y
+}}"""
+    expected = f"""graph t(%x: f32[N,4], %g: graph<coo>) {{
+  %y = aggregate[reduce="{reduce}"](%g, %x) : f32[N,4]
+  return %y
+}}"""
+    same(run_pass(FuseAggregate(), before), expected)
+
+
+def test_fuse_per_head_attention():
+    before = """graph t(%h: f32[N,2,3], %a: f32[E(g),2], %g: graph<coo>) {
+  %a3 = reshape[shape=["E", 2, 1]](%a) : f32[E(g),2,1]
+  %xj = gather[side="src"](%g, %h) : f32[E(g),2,3]
+  %m = mul(%xj, %a3) : f32[E(g),2,3]
+  %y = scatter[reduce="sum"](%g, %m) : f32[N,2,3]
+  return %y
+}"""
+    expected = """graph t(%h: f32[N,2,3], %a: f32[E(g),2], %g: graph<coo>) {
+  %y = aggregate[reduce="sum"](%g, %h, %a) : f32[N,2,3]
+  return %y
+}"""
+    after = run_pass(FuseAggregate(), before.replace("%a: f32[E(g),2], %g: graph<coo>",
+                                                     "%g: graph<coo>, %a: f32[E(g),2]"))
+    same(after, expected.replace("%a: f32[E(g),2], %g: graph<coo>", "%g: graph<coo>, %a: f32[E(g),2]"))
+
+
+def test_no_fusion_of_destination_side_or_feature_wise_weights():
+    before = """graph t(%x: f32[N,4], %g: graph<coo>) {
+  %xi = gather[side="dst"](%g, %x) : f32[E(g),4]
+  %xj = gather[side="src"](%g, %x) : f32[E(g),4]
+  %m = mul(%xi, %xj) : f32[E(g),4]
+  %y = scatter[reduce="sum"](%g, %m) : f32[N,4]
+  return %y
+}"""
+    assert run_pass(FuseAggregate(), before) == print_graph(parse_graph(before))
+
+
+def test_canonicalize_bias_consts_reshapes():
+    before = """graph t(%x: f32[N,4]) {
+  %b = param[init="zeros"] : f32[4]
+  %one = const[value=1.0] : f32[]
+  %two = const[value=2.0] : f32[]
+  %s = add(%one, %two) : f32[]
+  %y = add(%x, %b) : f32[N,4]
+  %z = mul(%y, %s) : f32[N,4]
+  %r1 = reshape[shape=["N", 2, 2]](%z) : f32[N,2,2]
+  %r2 = reshape[shape=["N", 4]](%r1) : f32[N,4]
+  return %r2
+}"""
+    expected = """graph t(%x: f32[N,4]) {
+  %b = param[init="zeros"] : f32[4]
+  %s = const[value=3.0] : f32[]
+  %y = bias_add(%x, %b) : f32[N,4]
+  %z = mul(%y, %s) : f32[N,4]
+  return %z
+}"""
+    same(run_pass(Canonicalize(), before), expected)
+
+
+def test_dce_keeps_inputs_and_outputs():
+    before = """graph t(%x: f32[N,4], %unused: f32[N,2]) {
+  %a = relu(%x) : f32[N,4]
+  %b = exp(%a) : f32[N,4]
+  %dead = tanh(%b) : f32[N,4]
+  return %b
+}"""
+    expected = """graph t(%x: f32[N,4], %unused: f32[N,2]) {
+  %a = relu(%x) : f32[N,4]
+  %b = exp(%a) : f32[N,4]
+  return %b
+}"""
+    same(run_pass(DeadCodeElimination(), before), expected)
+
+
+def test_hoist_marks_graph_static_values():
+    text = """graph t(%x: f32[N,4], %g: graph<coo>) {
+  %g1 = self_loops[mode="add_remaining"](%g) : graph<coo>
+  %norm = sym_norm(%g1) : f32[E(g1)]
+  %y = aggregate[reduce="sum"](%g1, %x, %norm) : f32[N,4]
+  return %y
+}"""
+    g = parse_graph(text)
+    PassManager([HoistGraphStatic()])(g)
+    assert {n.name: n.meta["phase"] for n in g} == {
+        "x": "run", "g": "bind", "g1": "bind", "norm": "bind", "y": "run"}
+
+
+def test_failing_pass_is_named_with_the_passes_before_it():
+    class Boom(Canonicalize):
+        name = "boom"
+
+        def run(self, graph, ctx):
+            raise RuntimeError("kaput")
+
+    seen = []
+
+    class Spy(Instrument):
+        def run_on_failure(self, p, before, error, pipeline):
+            seen.append((p.name, pipeline, print_graph(before)))
+
+    g = parse_graph("graph t(%x: f32[N,4]) {\n  %y = relu(%x) : f32[N,4]\n  return %y\n}")
+    pm = PassManager([DeadCodeElimination(), Boom()])
+    with pytest.raises(PassError, match=r"pass 'boom' failed: kaput\n\(passes that ran before it: dce\)"):
+        pm(g, PassContext(instruments=[Spy()]))
+    assert seen and seen[0][0] == "boom" and seen[0][1] == ["dce", "boom"]
+
+
+def test_disabling_an_unknown_pass_is_an_error():
+    g = parse_graph("graph t(%x: f32[N,4]) {\n  %y = relu(%x) : f32[N,4]\n  return %y\n}")
+    with pytest.raises(GcompError, match="unknown pass"):
+        PassManager([DeadCodeElimination()])(g, PassContext(disabled=frozenset({"fusion"})))
