@@ -26,14 +26,15 @@ def test_no_per_edge_feature_buffer(name):
     m = models.build(name, 32, hidden=16, out_channels=4, layers=3)
     plan, _ = lower(default_pipeline()(m.graph.copy()))
     for buf, b in plan.buffers.items():
-        if str(b["dims"][0]).startswith("E:"):
+        if b["dims"] and str(b["dims"][0]).startswith("E:"):
             assert b["dims"][1:] in ([], [1]), (buf, b)  # edge scalars (norms) only
 
 
 def test_gat_keeps_only_per_head_edge_scores():
     m = models.build("gat", 32, hidden=16, out_channels=4, layers=2, heads=4)
     plan, _ = lower(default_pipeline()(m.graph.copy()))
-    widths = {tuple(b["dims"][1:]) for b in plan.buffers.values() if str(b["dims"][0]).startswith("E:")}
+    widths = {tuple(b["dims"][1:]) for b in plan.buffers.values()
+              if b["dims"] and str(b["dims"][0]).startswith("E:")}
     assert widths <= {(4,), (1,), ()}, widths
 
 
