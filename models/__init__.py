@@ -17,7 +17,7 @@ REGISTRY = {"gcn": GCN, "sage": GraphSAGE, "graphsage": GraphSAGE, "gin": GIN, "
 
 
 def build(name: str, in_channels: int, hidden: int = 16, out_channels: int = 7, layers: int = 2,
-          heads: int = 4, seed: int = 0, edge_weight: bool = False):
+          heads: int = 4, seed: int = 0, edge_weight: bool = False, dropout: float = 0.0):
     """Trace the bundled model ``name`` (gcn, sage, gin, gat) with the given sizes."""
     from gcomp.frontend.builder import EdgeInput, GraphInput, NodeInput, trace
 
@@ -29,7 +29,10 @@ def build(name: str, in_channels: int, hidden: int = 16, out_channels: int = 7, 
         if not isinstance(v, int) or v < 1:
             raise GcompError(f"{what} must be a positive integer, got {v!r}")
     cls = REGISTRY[key]
-    kwargs = dict(in_channels=in_channels, hidden=hidden, out_channels=out_channels, layers=layers)
+    if not 0.0 <= dropout < 1.0:
+        raise GcompError(f"dropout must be in [0, 1), got {dropout!r}")
+    kwargs = dict(in_channels=in_channels, hidden=hidden, out_channels=out_channels, layers=layers,
+                  dropout=float(dropout))
     if cls is GAT:
         kwargs["heads"] = heads
     if edge_weight and cls is not GCN:

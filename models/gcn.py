@@ -1,6 +1,6 @@
 """GCN (Kipf & Welling 2017), as torch_geometric.nn.GCNConv / models.GCN."""
 
-from gcomp.frontend.builder import Linear, MessagePassing, Module, Parameter, relu
+from gcomp.frontend.builder import Linear, MessagePassing, Module, Parameter, dropout, relu
 
 
 class GCNConv(MessagePassing):
@@ -23,13 +23,16 @@ class GCNConv(MessagePassing):
 
 
 class GCN(Module):
-    def __init__(self, in_channels, hidden, out_channels, layers=2):
+    """Layers of GCNConv with ReLU between; dropout before every layer (PyG's gcn.py)."""
+
+    def __init__(self, in_channels, hidden, out_channels, layers=2, dropout=0.0):
         sizes = [in_channels] + [hidden] * (layers - 1) + [out_channels]
         self.convs = [GCNConv(a, b) for a, b in zip(sizes[:-1], sizes[1:])]
+        self.dropout = dropout
 
     def forward(self, x, edge_index, edge_weight=None):
         for i, conv in enumerate(self.convs):
-            x = conv(x, edge_index, edge_weight)
+            x = conv(dropout(x, self.dropout), edge_index, edge_weight)
             if i < len(self.convs) - 1:
                 x = relu(x)
         return x

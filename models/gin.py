@@ -1,6 +1,7 @@
 """GIN (Xu et al. 2019), as torch_geometric.nn.GINConv(train_eps=True) / models.GIN."""
 
-from gcomp.frontend.builder import Linear, MessagePassing, Module, Parameter, ReLU, Sequential, relu
+from gcomp.frontend.builder import (Linear, MessagePassing, Module, Parameter, ReLU, Sequential,
+                                    dropout, relu)
 
 
 class GINConv(MessagePassing):
@@ -16,16 +17,18 @@ class GINConv(MessagePassing):
 
 
 class GIN(Module):
-    """Each layer's MLP is Linear -> ReLU -> Linear (PyG's GIN with no normalization)."""
+    """Each layer's MLP is Linear -> ReLU -> Linear (PyG's GIN with no normalization);
+    ReLU between layers, dropout before every layer."""
 
-    def __init__(self, in_channels, hidden, out_channels, layers=2):
+    def __init__(self, in_channels, hidden, out_channels, layers=2, dropout=0.0):
         sizes = [in_channels] + [hidden] * (layers - 1) + [out_channels]
         self.convs = [GINConv(Sequential(Linear(a, b), ReLU(), Linear(b, b)))
                       for a, b in zip(sizes[:-1], sizes[1:])]
+        self.dropout = dropout
 
     def forward(self, x, edge_index):
         for i, conv in enumerate(self.convs):
-            x = conv(x, edge_index)
+            x = conv(dropout(x, self.dropout), edge_index)
             if i < len(self.convs) - 1:
                 x = relu(x)
         return x

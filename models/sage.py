@@ -1,6 +1,6 @@
 """GraphSAGE (Hamilton et al. 2017), as torch_geometric.nn.SAGEConv with mean aggregation."""
 
-from gcomp.frontend.builder import Linear, MessagePassing, Module, relu
+from gcomp.frontend.builder import Linear, MessagePassing, Module, dropout, relu
 
 
 class SAGEConv(MessagePassing):
@@ -16,13 +16,16 @@ class SAGEConv(MessagePassing):
 
 
 class GraphSAGE(Module):
-    def __init__(self, in_channels, hidden, out_channels, layers=2):
+    """Layers of SAGEConv with ReLU between; dropout before every layer."""
+
+    def __init__(self, in_channels, hidden, out_channels, layers=2, dropout=0.0):
         sizes = [in_channels] + [hidden] * (layers - 1) + [out_channels]
         self.convs = [SAGEConv(a, b) for a, b in zip(sizes[:-1], sizes[1:])]
+        self.dropout = dropout
 
     def forward(self, x, edge_index):
         for i, conv in enumerate(self.convs):
-            x = conv(x, edge_index)
+            x = conv(dropout(x, self.dropout), edge_index)
             if i < len(self.convs) - 1:
                 x = relu(x)
         return x

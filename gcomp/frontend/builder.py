@@ -45,6 +45,7 @@ from gcomp.ir.types import N, EdgeDim, GraphType, TensorType
 from gcomp.model import Model
 
 _TRACE: "_Tracer | None" = None
+RNG_STEP = "rng_step"  # name of the scalar input that drives dropout masks
 
 
 def _tracer() -> "_Tracer":
@@ -222,6 +223,18 @@ def elu(x, alpha: float = 1.0): return _as_value(x).elu(alpha)
 def leaky_relu(x, negative_slope: float = 0.01): return _as_value(x).leaky_relu(negative_slope)
 def log_softmax(x, axis: int = -1): return _as_value(x).log_softmax(axis)
 def concat(xs: Sequence, axis: int = -1) -> Value: return _op(Op.CONCAT, list(xs), axis=axis)
+
+
+def dropout(x, p: float = 0.5):
+    """Training-time dropout (identity when compiled for inference).
+
+    Each call gets its own seed; the mask also depends on the training step, which the
+    runtime feeds through the model's ``rng_step`` input.
+    """
+    if p == 0:
+        return _as_value(x)
+    t = _tracer()
+    return _op(Op.DROPOUT, [x, Value(t.rng_step())], p=float(p), seed=t.next_seed())
 def maximum(a, b): return _binary(Op.MAXIMUM, a, b)
 def minimum(a, b): return _binary(Op.MINIMUM, a, b)
 
@@ -368,6 +381,20 @@ class _Tracer:
         self.param_nodes: dict[int, Node] = {}
         self.scopes: list[str] = []
         self.module_names: dict[int, str] = {}
+        self.seed = seed
+        self.dropouts = 0
+        self._step: Node | None = None
+
+    def rng_step(self) -> Node:
+        """The scalar step counter that dropout masks depend on (created on first use)."""
+        if self._step is None:
+            self._step = self.graph.create_node(Op.INPUT, ty=TensorType((), "int32"),
+                                                name=RNG_STEP)
+        return self._step
+
+    def next_seed(self) -> int:
+        self.dropouts += 1
+        return (self.seed * 1000003 + self.dropouts) & 0x7FFFFFFF
 
     def name_modules(self, root: Module) -> None:
         def walk(m: Module, prefix: str):

@@ -67,6 +67,7 @@ class Graph:
         self._names: dict[str, Node] = {}
         self.outputs: list[Node] = []
         self._insert_at: Node | None = None  # None: append
+        self.meta: dict = {}  # whole-graph analysis results (e.g. autodiff's gradient map)
 
     # ------------------------------------------------------------ queries
     @property
@@ -188,6 +189,7 @@ class Graph:
             g._names[c.name] = c
             m[n] = c
         g.outputs = [m[o] for o in self.outputs]
+        g.meta = {k: dict(v) if isinstance(v, dict) else v for k, v in self.meta.items()}
         return g
 
     def __str__(self) -> str:

@@ -15,6 +15,7 @@ import numpy as np
 from gcomp.errors import InputError
 from gcomp.ir.graph import Graph
 from gcomp.ir.ops import Op
+from gcomp.ir.rng import keep_mask
 from gcomp.ir.types import GraphType
 
 
@@ -53,19 +54,82 @@ def _self_loops(g: RefGraph, mode: str) -> RefGraph:
                     np.concatenate([ids, loop_origin]))
 
 
-def _scatter(g: RefGraph, e: np.ndarray, reduce: str) -> np.ndarray:
+def _scatter(g: RefGraph, e: np.ndarray, reduce: str, key: np.ndarray | None = None) -> np.ndarray:
+    """Reduce edge values onto ``key`` nodes (default: destinations)."""
+    key = g.dst if key is None else key
     out_shape = (g.num_nodes,) + e.shape[1:]
     if reduce == "max":
         out = np.full(out_shape, -np.inf)
-        np.maximum.at(out, g.dst, e)
+        np.maximum.at(out, key, e)
         out[np.isneginf(out)] = 0.0  # isolated nodes
         return out
     out = np.zeros(out_shape)
-    np.add.at(out, g.dst, e)
+    np.add.at(out, key, e)
     if reduce == "mean":
-        cnt = np.bincount(g.dst, minlength=g.num_nodes).astype(np.float64)
+        cnt = np.bincount(key, minlength=g.num_nodes).astype(np.float64)
         out /= np.maximum(cnt, 1).reshape((-1,) + (1,) * (e.ndim - 1))
     return out
+
+
+def _argmax_edges(g: RefGraph, e: np.ndarray) -> np.ndarray:
+    """Per destination and feature: the first in-edge (in edge order) holding the maximum."""
+    out = np.full((g.num_nodes,) + e.shape[1:], -1, np.int64)
+    best = np.full(out.shape, -np.inf)
+    for k in range(g.num_edges):
+        d = g.dst[k]
+        better = e[k] > best[d]
+        best[d] = np.where(better, e[k], best[d])
+        out[d] = np.where(better, k, out[d])
+    return out
+
+
+def _route_max(g: RefGraph, dy: np.ndarray, argmax: np.ndarray) -> np.ndarray:
+    """Per edge: dy of its destination where the edge is that destination's argmax, else 0."""
+    ids = np.arange(g.num_edges).reshape((-1,) + (1,) * (dy.ndim - 1))
+    return np.where(argmax[g.dst] == ids, dy[g.dst], 0.0)
+
+
+def _elementwise_grad(op: Op, wrt: int, a: dict, dy, xs):
+    """dy * d op(xs) / d xs[wrt] (before reducing broadcast axes)."""
+    x = xs[0]
+    if op == Op.RELU:
+        d = (x > 0).astype(np.float64)
+    elif op == Op.LEAKY_RELU:
+        d = np.where(x > 0, 1.0, a["alpha"])
+    elif op == Op.ELU:
+        d = np.where(x > 0, 1.0, a["alpha"] * np.exp(np.minimum(x, 0.0)))
+    elif op == Op.EXP:
+        d = np.exp(x)
+    elif op == Op.LOG:
+        d = 1.0 / x
+    elif op == Op.SIGMOID:
+        s = 1.0 / (1.0 + np.exp(-x))
+        d = s * (1.0 - s)
+    elif op == Op.TANH:
+        d = 1.0 - np.tanh(x) ** 2
+    elif op == Op.NEG:
+        d = -np.ones_like(x)
+    elif op == Op.SQRT:
+        d = 0.5 / np.sqrt(x)
+    elif op == Op.POW:
+        d = a["exponent"] * np.power(x, a["exponent"] - 1.0)
+    elif op in (Op.ADD, Op.BIAS_ADD):
+        d = np.ones(np.broadcast_shapes(xs[0].shape, xs[1].shape))
+    elif op == Op.SUB:
+        d = np.full(np.broadcast_shapes(xs[0].shape, xs[1].shape), 1.0 if wrt == 0 else -1.0)
+    elif op == Op.MUL:
+        d = np.broadcast_to(xs[1 - wrt], np.broadcast_shapes(xs[0].shape, xs[1].shape))
+    elif op == Op.DIV:
+        d = 1.0 / xs[1] if wrt == 0 else -xs[0] / xs[1] ** 2
+    elif op in (Op.MAXIMUM, Op.MINIMUM):
+        p, q = (xs[0], xs[1]) if wrt == 0 else (xs[1], xs[0])
+        wins = p > q if op == Op.MAXIMUM else p < q
+        d = wins + 0.5 * (p == q)  # ties split the gradient, as torch does
+    elif op == Op.MAX:  # xs: (x, max broadcast back): every maximal element receives dy
+        d = (xs[0] == xs[1]).astype(np.float64)
+    else:
+        raise NotImplementedError(f"no gradient rule for {op}")
+    return dy * d
 
 
 def _expand_weight(w: np.ndarray, x_ndim: int) -> np.ndarray:
@@ -144,17 +208,54 @@ def evaluate_node(n, args: list, num_nodes: int):
         g, x = args
         return x[g.src if a["side"] == "src" else g.dst]
     if op == Op.SCATTER:
-        return _scatter(args[0], args[1], a["reduce"])
+        g = args[0]
+        return _scatter(g, args[1], a["reduce"], g.dst if a["side"] == "dst" else g.src)
     if op == Op.AGGREGATE:
         g, x = args[0], args[1]
-        msg = x[g.src]
+        frm, to = (g.src, g.dst) if a["flow"] == "in" else (g.dst, g.src)
+        msg = x[frm]
         if len(args) == 3:
             msg = msg * _expand_weight(args[2], x.ndim)
-        return _scatter(g, msg, a["reduce"])
+        return _scatter(g, msg, a["reduce"], to)
+    if op == Op.EDGE_DOT:
+        g, x, y = args
+        return (x[g.src] * y[g.dst]).sum(axis=-1)
+    if op == Op.AGGREGATE_ARGMAX:
+        g, x = args
+        return _argmax_edges(g, x[g.src])
+    if op == Op.SCATTER_ARGMAX:
+        return _argmax_edges(args[0], args[1])
+    if op == Op.SCATTER_MAX_GRAD:
+        return _route_max(*args)
+    if op == Op.AGGREGATE_MAX_GRAD:
+        g, dy, am = args
+        return _scatter(g, _route_max(g, dy, am), "sum", g.src)
+    if op == Op.DROPOUT:
+        x, step = args
+        keep = keep_mask(a["seed"], int(step), x.shape, a["p"])
+        return np.where(keep, x / (1.0 - a["p"]), 0.0)
+    if op == Op.CROSS_ENTROPY:
+        z, y, m = args
+        lp = _log_softmax(z, -1)[np.arange(len(y)), y.astype(np.int64)]
+        return -(m * lp).sum() / m.sum()
+    if op == Op.CROSS_ENTROPY_GRAD:
+        dy, z, y, m = args
+        p = _softmax(z, -1)
+        p[np.arange(len(y)), y.astype(np.int64)] -= 1.0
+        return dy * p * (m / m.sum())[:, None]
+    if op == Op.ELEMENTWISE_GRAD:
+        return _elementwise_grad(Op(a["op"]), a["wrt"], a, args[0], args[1:])
+    if op == Op.BROADCAST_TO:
+        return np.broadcast_to(args[0], args[1].shape).copy()
+    if op == Op.SLICE:
+        idx = [slice(None)] * args[0].ndim
+        idx[a["axis"]] = slice(a["start"], a["stop"])
+        return args[0][tuple(idx)]
     if op == Op.EDGE_SOFTMAX:
         return _edge_softmax(args[0], args[1])
     if op == Op.MATMUL:
-        return args[0] @ args[1]
+        x, w = args
+        return (x.T @ w) if a["trans_a"] else x @ (w.T if a["trans_b"] else w)
     if op in _UNARY:
         return _UNARY[op](args[0], a)
     if op in _BINARY:
@@ -192,6 +293,8 @@ def interpret(g: Graph, inputs: dict, params: dict, *, return_env: bool = False)
             if not isinstance(v, RefGraph):
                 raise InputError(f"input {n.name!r} must be a RefGraph")
             num_nodes = v.num_nodes if num_nodes is None else num_nodes
+        elif n.ty.dtype == "int32":
+            v = np.asarray(v, dtype=np.int64)
         else:
             v = np.asarray(v, dtype=np.float64)
         env[n.name] = v

@@ -21,6 +21,18 @@ Semantics (the interpreter in ``gcomp/ir/interpreter.py`` is normative):
                           self loops take the parent's loop value where one
                           existed (the last), else ``fill``
 Isolated nodes aggregate to 0 for every reduction (PyG's convention).
+``aggregate[flow="out"]`` and ``scatter[side="src"]`` reduce over out-edges
+instead (keyed by source; the transposed graph): backward passes use them.
+
+Training ops:
+``dropout(x, step)``      x * keep / (1 - p), keep drawn from a counter-based hash of
+                          (seed, step, element index): the same step gives the same mask
+``cross_entropy(z, y, m)``  sum_i m_i * -log_softmax(z_i)[y_i] / sum_i m_i
+Gradient ops (made by autodiff): ``elementwise_grad`` (d op / d input ``wrt``
+times dy), ``cross_entropy_grad``, ``broadcast_to``, ``slice``, ``edge_dot``
+(out[e] = sum_c x[src(e),..,c] * y[dst(e),..,c]), ``aggregate_argmax`` /
+``scatter_argmax`` (the first in-edge in edge order holding the maximum, -1 if
+none) and ``aggregate_max_grad`` / ``scatter_max_grad`` (route dy to it).
 """
 
 from __future__ import annotations
@@ -77,6 +89,19 @@ class Op(str, Enum):
     MAX = "max"
     SOFTMAX = "softmax"
     LOG_SOFTMAX = "log_softmax"
+    SLICE = "slice"
+    BROADCAST_TO = "broadcast_to"
+    # training
+    DROPOUT = "dropout"
+    CROSS_ENTROPY = "cross_entropy"
+    # gradients
+    ELEMENTWISE_GRAD = "elementwise_grad"
+    CROSS_ENTROPY_GRAD = "cross_entropy_grad"
+    EDGE_DOT = "edge_dot"
+    AGGREGATE_ARGMAX = "aggregate_argmax"
+    AGGREGATE_MAX_GRAD = "aggregate_max_grad"
+    SCATTER_ARGMAX = "scatter_argmax"
+    SCATTER_MAX_GRAD = "scatter_max_grad"
 
     def __str__(self) -> str:
         return self.value
@@ -94,7 +119,8 @@ class OpGroup:
     Reduce = frozenset({Op.SUM, Op.MEAN, Op.MAX})
     # ops that move values between node space and edge space
     EdgeOps = frozenset({Op.GATHER, Op.SCATTER, Op.AGGREGATE, Op.EDGE_SOFTMAX, Op.SYM_NORM,
-                         Op.EDGE_REMAP, Op.DEGREE})
+                         Op.EDGE_REMAP, Op.DEGREE, Op.EDGE_DOT, Op.AGGREGATE_ARGMAX,
+                         Op.AGGREGATE_MAX_GRAD, Op.SCATTER_ARGMAX, Op.SCATTER_MAX_GRAD})
     Aggregate = frozenset({Op.AGGREGATE, Op.SCATTER})
 
 
@@ -190,12 +216,18 @@ def _infer_same(node) -> Type:
 
 
 def _infer_matmul(node) -> Type:
+    """x @ w (w static [K, M]); trans_b: x @ w.T; trans_a: x.T @ w with both [N, .]."""
     x, w = _tensor(node, 0), _tensor(node, 1)
+    if node.attrs["trans_a"]:
+        if x.rank != 2 or w.rank != 2 or x.shape[0] != w.shape[0]:
+            _fail(node, f"x.T @ w needs two 2-D tensors with equal first axes: {x}, {w}")
+        return TensorType((x.shape[1], w.shape[1]), x.dtype)
     if w.rank != 2 or not w.is_static:
         _fail(node, f"weight must be a static 2-D tensor, got {w}")
-    if x.rank < 1 or x.shape[-1] != w.shape[0]:
-        _fail(node, f"inner dimensions differ: {x} @ {w}")
-    return TensorType(x.shape[:-1] + (w.shape[1],), x.dtype)
+    k, m = (w.shape[1], w.shape[0]) if node.attrs["trans_b"] else w.shape
+    if x.rank < 1 or x.shape[-1] != k:
+        _fail(node, f"inner dimensions differ: {x} @ {w}{'.T' if node.attrs['trans_b'] else ''}")
+    return TensorType(x.shape[:-1] + (m,), x.dtype)
 
 
 def _infer_gather(node) -> Type:
@@ -207,12 +239,16 @@ def _infer_gather(node) -> Type:
 def _infer_scatter(node) -> Type:
     g = _graph(node, 0)
     e = _edge_tensor_of(node, 1, g)
+    if node.attrs["side"] == "src" and node.attrs["reduce"] == "max":
+        _fail(node, "max over out-edges is not supported")
     return TensorType((N,) + e.shape[1:], e.dtype)
 
 
 def _infer_aggregate(node) -> Type:
     g = _graph(node, 0)
     x = _node_tensor(node, 1)
+    if node.attrs["flow"] == "out" and node.attrs["reduce"] == "max":
+        _fail(node, "max over out-edges is not supported")
     if len(node.inputs) == 3:
         w = _edge_tensor_of(node, 2, g)
         k = w.rank - 1
@@ -327,6 +363,100 @@ def _infer_softmax(node) -> Type:
     return x
 
 
+def _infer_dropout(node) -> Type:
+    x = _tensor(node, 0)
+    if node.inputs[1].ty != TensorType((), "int32"):
+        _fail(node, f"the step input must be i32[], got {node.inputs[1].ty}")
+    if not 0.0 <= node.attrs["p"] < 1.0:
+        _fail(node, f"dropout probability must be in [0, 1), got {node.attrs['p']}")
+    return x
+
+
+def _labels_mask(node, i: int, z: TensorType) -> None:
+    y, m = _tensor(node, i), _tensor(node, i + 1)
+    if y.shape != (N,) or y.dtype != "int32":
+        _fail(node, f"labels must be i32[N], got {y}")
+    if m.shape != (N,) or m.dtype != "float32":
+        _fail(node, f"mask must be f32[N], got {m}")
+    if z.rank != 2 or not z.is_node:
+        _fail(node, f"logits must be [N, C], got {z}")
+
+
+def _infer_cross_entropy(node) -> Type:
+    z = _node_tensor(node, 0)
+    _labels_mask(node, 1, z)
+    return TensorType((), "float32")
+
+
+def _infer_cross_entropy_grad(node) -> Type:
+    if node.inputs[0].ty != TensorType((), "float32"):
+        _fail(node, f"dy must be f32[], got {node.inputs[0].ty}")
+    z = _node_tensor(node, 1)
+    _labels_mask(node, 2, z)
+    return z
+
+
+def _infer_elementwise_grad(node) -> Type:
+    fwd = Op(node.attrs["op"])
+    if fwd not in OpGroup.Elementwise and fwd != Op.MAX:
+        _fail(node, f"{fwd} is not an elementwise op")
+    shape = ()
+    for i in range(len(node.inputs)):
+        try:
+            shape = broadcast_shapes(shape, _tensor(node, i).shape)
+        except ValueError as e:
+            _fail(node, f"inputs do not broadcast: {e}")
+    return TensorType(shape, "float32")
+
+
+def _infer_broadcast_to(node) -> Type:
+    x, like = _tensor(node, 0), _tensor(node, 1)
+    try:
+        if broadcast_shapes(x.shape, like.shape) != like.shape:
+            raise ValueError("not a broadcast")
+    except ValueError:
+        _fail(node, f"{x} does not broadcast to {like}")
+    return TensorType(like.shape, x.dtype)
+
+
+def _infer_slice(node) -> Type:
+    x = _tensor(node, 0)
+    ax = _norm_axis(node, x, node.attrs["axis"])
+    a, b = node.attrs["start"], node.attrs["stop"]
+    if not isinstance(x.shape[ax], int) or not 0 <= a < b <= x.shape[ax]:
+        _fail(node, f"bad slice [{a}:{b}] of axis {ax} of {x}")
+    shape = list(x.shape)
+    shape[ax] = b - a
+    return TensorType(tuple(shape), x.dtype)
+
+
+def _infer_edge_dot(node) -> Type:
+    g = _graph(node, 0)
+    x, y = _node_tensor(node, 1), _node_tensor(node, 2)
+    if x.shape != y.shape or x.rank < 2:
+        _fail(node, f"edge_dot needs equal node tensors of rank >= 2, got {x} and {y}")
+    return TensorType((EdgeDim(g),) + x.shape[1:-1], x.dtype)
+
+
+def _infer_argmax(node) -> Type:
+    g = _graph(node, 0)
+    if node.op == Op.AGGREGATE_ARGMAX:
+        x = _node_tensor(node, 1)
+    else:
+        x = _edge_tensor_of(node, 1, g)
+    return TensorType((N,) + x.shape[1:], "int32")
+
+
+def _infer_max_grad(node) -> Type:
+    g = _graph(node, 0)
+    dy, am = _node_tensor(node, 1), _node_tensor(node, 2)
+    if am.dtype != "int32" or am.shape != dy.shape:
+        _fail(node, f"argmax must be i32 shaped like dy {dy}, got {am}")
+    if node.op == Op.AGGREGATE_MAX_GRAD:
+        return dy
+    return TensorType((EdgeDim(g),) + dy.shape[1:], dy.dtype)
+
+
 _side = AttrSpec(default="src", choices=("src", "dst"))
 _reduce = AttrSpec(default="sum", choices=REDUCTIONS)
 _axis = AttrSpec(default=-1, kind=int)
@@ -343,10 +473,15 @@ OPS: dict[Op, OpDef] = {d.op: d for d in [
           _infer_degree),
     OpDef(Op.SYM_NORM, (1, 2), {}, _infer_sym_norm),
     OpDef(Op.GATHER, (2, 2), {"side": _side}, _infer_gather),
-    OpDef(Op.SCATTER, (2, 2), {"reduce": _reduce}, _infer_scatter),
-    OpDef(Op.AGGREGATE, (2, 3), {"reduce": _reduce}, _infer_aggregate),
+    OpDef(Op.SCATTER, (2, 2), {"reduce": _reduce,
+                               "side": AttrSpec(default="dst", choices=("dst", "src"))},
+          _infer_scatter),
+    OpDef(Op.AGGREGATE, (2, 3), {"reduce": _reduce,
+                                 "flow": AttrSpec(default="in", choices=("in", "out"))},
+          _infer_aggregate),
     OpDef(Op.EDGE_SOFTMAX, (2, 2), {}, _infer_edge_softmax),
-    OpDef(Op.MATMUL, (2, 2), {}, _infer_matmul),
+    OpDef(Op.MATMUL, (2, 2), {"trans_a": AttrSpec(default=False, kind=bool),
+                              "trans_b": AttrSpec(default=False, kind=bool)}, _infer_matmul),
     OpDef(Op.BIAS_ADD, (2, 2), {}, _infer_bias_add),
     *[OpDef(op, (2, 2), {}, _infer_binary)
       for op in (Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAXIMUM, Op.MINIMUM)],
@@ -362,6 +497,23 @@ OPS: dict[Op, OpDef] = {d.op: d for d in [
             _infer_reduce) for op in (Op.SUM, Op.MEAN, Op.MAX)],
     OpDef(Op.SOFTMAX, (1, 1), {"axis": _axis}, _infer_softmax),
     OpDef(Op.LOG_SOFTMAX, (1, 1), {"axis": _axis}, _infer_softmax),
+    OpDef(Op.SLICE, (1, 1), {"axis": _axis, "start": AttrSpec(required=True, kind=int),
+                             "stop": AttrSpec(required=True, kind=int)}, _infer_slice),
+    OpDef(Op.BROADCAST_TO, (2, 2), {}, _infer_broadcast_to),
+    OpDef(Op.DROPOUT, (2, 2), {"p": _num(default=0.5), "seed": AttrSpec(default=0, kind=int)},
+          _infer_dropout),
+    OpDef(Op.CROSS_ENTROPY, (3, 3), {}, _infer_cross_entropy),
+    OpDef(Op.CROSS_ENTROPY_GRAD, (4, 4), {}, _infer_cross_entropy_grad),
+    OpDef(Op.ELEMENTWISE_GRAD, (2, 4), {"op": AttrSpec(required=True, kind=str),
+                                         "wrt": AttrSpec(default=0, kind=int),
+                                         "alpha": _num(default=0.0),
+                                         "exponent": _num(default=1.0)},
+          _infer_elementwise_grad),
+    OpDef(Op.EDGE_DOT, (3, 3), {}, _infer_edge_dot),
+    OpDef(Op.AGGREGATE_ARGMAX, (2, 2), {}, _infer_argmax),
+    OpDef(Op.SCATTER_ARGMAX, (2, 2), {}, _infer_argmax),
+    OpDef(Op.AGGREGATE_MAX_GRAD, (3, 3), {}, _infer_max_grad),
+    OpDef(Op.SCATTER_MAX_GRAD, (3, 3), {}, _infer_max_grad),
 ]}
 
 

@@ -63,8 +63,9 @@ def verify(g: Graph) -> Graph:
                 fail(n, f"edge axis names %{lead.graph}, which is not a graph value defined earlier")
             if isinstance(lead, str) and lead != N:
                 fail(n, f"unknown symbolic dimension {lead!r}")
-        if n.op == Op.INPUT and isinstance(n.ty, TensorType) and n.ty.is_static:
-            fail(n, "an input must be a graph, a node tensor [N,...] or an edge tensor [E(g),...]")
+        if n.op == Op.INPUT and isinstance(n.ty, TensorType) and n.ty.is_static and n.ty.rank:
+            fail(n, "an input must be a graph, a node tensor [N,...], an edge tensor [E(g),...] "
+                    "or a scalar")
         if n.op == Op.PARAM and not (isinstance(n.ty, TensorType) and n.ty.is_static):
             fail(n, f"a parameter must have a static shape, got {n.ty}")
         if n.op == Op.CONST and n.ty != TensorType((), "float32"):

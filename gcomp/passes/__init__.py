@@ -1,7 +1,10 @@
 """Passes over the Graph IR, one per file, and the default pipelines."""
 
+from gcomp.passes.add_loss import AddLoss
+from gcomp.passes.autodiff import Autodiff
 from gcomp.passes.canonicalize import Canonicalize
 from gcomp.passes.dce import DeadCodeElimination
+from gcomp.passes.eval_mode import EvalMode
 from gcomp.passes.fuse_aggregate import FuseAggregate
 from gcomp.passes.hoist_graph_static import HoistGraphStatic
 from gcomp.passes.manager import Instrument, Pass, PassContext, PassError, PassManager
@@ -10,6 +13,7 @@ from gcomp.passes.manager import Instrument, Pass, PassContext, PassError, PassM
 def default_pipeline() -> PassManager:
     """The inference pipeline, top to bottom."""
     return PassManager([
+        EvalMode(),            # dropout is the identity at inference
         Canonicalize(),        # bias adds, folded constants, single reshapes
         FuseAggregate(),       # gather -> edge-wise -> scatter becomes sparse aggregation
         DeadCodeElimination(), # drop what fusion left behind
@@ -17,5 +21,17 @@ def default_pipeline() -> PassManager:
     ])
 
 
-__all__ = ["Pass", "PassContext", "PassManager", "PassError", "Instrument", "default_pipeline",
+def training_pipeline() -> PassManager:
+    """Forward + loss + backward, top to bottom."""
+    return PassManager([
+        AddLoss(),             # masked cross-entropy of the logits
+        Canonicalize(),
+        FuseAggregate(),       # before autodiff: the backward of a fused aggregation is fused
+        Autodiff(),            # reverse mode: outputs become [loss, gradients]
+        DeadCodeElimination(),
+        HoistGraphStatic(),    # degrees and norms of both directions: once per bound graph
+    ])
+
+
+__all__ = ["training_pipeline", "AddLoss", "Autodiff", "EvalMode", "Pass", "PassContext", "PassManager", "PassError", "Instrument", "default_pipeline",
            "Canonicalize", "FuseAggregate", "DeadCodeElimination", "HoistGraphStatic"]
