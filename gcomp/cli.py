@@ -2,6 +2,7 @@
 
     gcomp compile MODEL -t llvm -o OUT.gcomp [--in F --hidden H --out C --layers L --heads K]
     gcomp run ART --graph GRAPH --out Y.npy [--features X.npy]
+    gcomp train MODEL --graph GRAPH --epochs N [--lr --weight-decay --dropout --seed ...] [--json]
     gcomp info ART [--json]
 
 User errors print one line on stderr and exit with code 2 (``--debug`` shows
@@ -63,7 +64,14 @@ def _model_from_args(args):
     import gcomp.models as models
     return models.build(args.model, in_channels=args.in_channels, hidden=args.hidden,
                         out_channels=args.out_channels, layers=args.layers, heads=args.heads,
-                        seed=args.seed, edge_weight=args.edge_weight)
+                        seed=args.seed, edge_weight=args.edge_weight,
+                        dropout=getattr(args, "dropout", 0.0))
+
+
+def _optimizer_from_args(args):
+    from gcomp.codegen.optimizer import OptimizerConfig
+    return OptimizerConfig(name=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
+                           momentum=args.momentum)
 
 
 def cmd_compile(args) -> int:
@@ -84,7 +92,8 @@ def cmd_compile(args) -> int:
                              "it (use --force)")
     t0 = time.perf_counter()
     model = _model_from_args(args)
-    art = compile_model(model, args.target, mcpu=args.mcpu)
+    art = compile_model(model, args.target, mcpu=args.mcpu, train=args.train,
+                        optimizer=_optimizer_from_args(args) if args.train else None)
     art.save(out)
     dt = time.perf_counter() - t0
     print(f"compiled {model.name} for {args.target} in {dt:.2f} s: {len(art.plan.kernels())} "
@@ -127,6 +136,96 @@ def cmd_run(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------- train
+class _Progress:
+    """A one-line progress bar on a terminal (stderr); silent otherwise."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled = total, enabled
+
+    def update(self, epoch: int, loss: float, ev: dict | None) -> None:
+        if not self.enabled:
+            return
+        width = 24
+        done = int(width * epoch / self.total)
+        acc = f" train {ev['train_acc']:.3f} val {ev['val_acc']:.3f}" if ev else ""
+        sys.stderr.write(f"\r[{'=' * done}{' ' * (width - done)}] epoch {epoch}/{self.total} "
+                         f"loss {loss:.4f}{acc}")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+def cmd_train(args) -> int:
+    import resource
+
+    import numpy as np
+
+    from gcomp.runtime import artifact as artifact_mod
+    from gcomp.runtime.data import load_graph, normalize_features
+    from gcomp.runtime.trainer import Trainer
+
+    if args.epochs < 0:
+        raise GcompError("--epochs must be >= 0")
+    graph = load_graph(args.graph)
+    if args.normalize_features:
+        graph = normalize_features(graph)
+    if graph.y is None:
+        raise GcompError(f"graph {graph.name!r} has no labels (y); training needs them")
+    t0 = time.perf_counter()
+    if str(args.model).endswith(".gcomp"):
+        art = artifact_mod.load(args.model)
+    else:
+        from gcomp.compiler import compile_model
+        if graph.num_features is None:
+            raise GcompError(f"graph {graph.name!r} has no node features")
+        args.in_channels = graph.num_features
+        args.out_channels = int(graph.y.max()) + 1
+        args.edge_weight = False
+        art = compile_model(_model_from_args(args), args.target, train=True,
+                            optimizer=_optimizer_from_args(args))
+    compile_s = time.perf_counter() - t0
+    trainer = Trainer(art, graph, seed=args.seed)
+    if args.resume:
+        trainer.load(args.resume)
+    progress = _Progress(args.epochs, sys.stderr.isatty() and not args.json)
+    times, loss = [], float("nan")
+    for epoch in range(1, args.epochs + 1):
+        t = time.perf_counter()
+        loss = trainer.step()
+        times.append(time.perf_counter() - t)
+        if not np.isfinite(loss):
+            progress.close()
+            raise GcompError(f"the loss became {loss} at epoch {epoch}; lower --lr")
+        show_eval = progress.enabled and (epoch % max(1, args.epochs // 50) == 0 or
+                                          epoch == args.epochs)
+        progress.update(epoch, loss, trainer.evaluate() if show_eval else None)
+        if args.checkpoint and args.save_every and epoch % args.save_every == 0:
+            trainer.save(args.checkpoint)
+    progress.close()
+    if args.checkpoint:
+        trainer.save(args.checkpoint)
+    ev = trainer.evaluate()
+    result = {
+        "model": art.manifest["model"].get("name"), "graph": graph.name, "epochs": args.epochs,
+        "final_loss": loss, "eval_loss": ev["loss"], "train_acc": ev["train_acc"],
+        "val_acc": ev["val_acc"], "test_acc": ev["test_acc"],
+        "epoch_ms_median": float(np.median(times) * 1e3) if times else None,
+        "bind_ms": trainer.bind_time_s * 1e3, "compile_s": compile_s,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "step": trainer.step_count,
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{result['model']} on {graph.name}: {args.epochs} epochs, loss {loss:.4f}, "
+              f"train {ev['train_acc']:.4f}, val {ev['val_acc']:.4f}, test {ev['test_acc']:.4f}, "
+              f"{result['epoch_ms_median'] or 0:.2f} ms/epoch (median)")
+    return 0
+
+
 # ---------------------------------------------------------------------- info
 def cmd_info(args) -> int:
     from gcomp.runtime import artifact
@@ -157,6 +256,14 @@ def cmd_info(args) -> int:
 
 
 # ---------------------------------------------------------------------- main
+def _training_flags(p) -> None:
+    p.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--momentum", type=float, default=0.0, help="sgd momentum")
+    p.add_argument("--dropout", type=float, default=0.0)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gcomp", description="An optimizing compiler for GNNs.")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -175,7 +282,28 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--edge-weight", action="store_true", help="gcn: take edge weights")
     c.add_argument("--mcpu", default=None, help="llvm CPU (default: this machine's)")
     c.add_argument("--force", action="store_true", help="overwrite a file that is not an artifact")
+    c.add_argument("--train", action="store_true",
+                   help="also compile a training step (forward, loss, backward, optimizer)")
+    _training_flags(c)
     c.set_defaults(func=cmd_compile)
+
+    t = sub.add_parser("train", help="train a model on a graph")
+    t.add_argument("model", help="bundled model (gcn, sage, gin, gat) or a --train artifact")
+    t.add_argument("--graph", required=True, help="graph .npz with y (and masks), or a bundled name")
+    t.add_argument("--epochs", type=int, default=200)
+    t.add_argument("-t", "--target", default="llvm", choices=["llvm"])
+    t.add_argument("--layers", type=int, default=2)
+    t.add_argument("--hidden", type=int, default=16)
+    t.add_argument("--heads", type=int, default=4, help="attention heads (gat)")
+    t.add_argument("--seed", type=int, default=0, help="initialization, split and dropout seed")
+    t.add_argument("--normalize-features", action="store_true",
+                   help="row-normalize features to sum 1 (PyG's NormalizeFeatures)")
+    t.add_argument("--checkpoint", default=None, help="write a checkpoint here at the end")
+    t.add_argument("--save-every", type=int, default=0, help="also every K epochs")
+    t.add_argument("--resume", default=None, help="start from this checkpoint")
+    t.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    _training_flags(t)
+    t.set_defaults(func=cmd_train)
 
     r = sub.add_parser("run", help="run an artifact on a graph")
     r.add_argument("artifact")

@@ -42,7 +42,9 @@ class Model:
                 return "graph"
             if n.ty.is_node:
                 return "node"
-            return "edge" if n.ty.edge_graph else "tensor"
+            if n.ty.edge_graph:
+                return "edge"
+            return "scalar" if n.ty.rank == 0 else "tensor"
         return {
             "inputs": [{"name": n.name, "role": role(n), "type": str(n.ty)} for n in self.graph.inputs],
             "outputs": [{"name": n.name, "role": role(n), "type": str(n.ty)}

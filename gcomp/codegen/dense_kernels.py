@@ -8,6 +8,7 @@ Shapes in a spec use ``"n"`` for the one symbolic leading axis a kernel sees
 from __future__ import annotations
 
 from tvm import te, tirx
+from tvm.script import tirx as T
 
 from gcomp.codegen.kernels import definer
 
@@ -166,3 +167,277 @@ def _offsets(sizes):
         out.append(acc)
         acc += s
     return out
+
+
+def _grad_expr(op: str, wrt: int, attrs: dict, dy, xs):
+    """dy * d op(xs) / d xs[wrt]: the meaning of ``elementwise_grad`` (see the interpreter)."""
+    x = xs[0]
+    zero, one = _f32(0), _f32(1)
+    if op == "relu":
+        d = tirx.Select(x > zero, one, zero)
+    elif op == "leaky_relu":
+        d = tirx.Select(x > zero, one, _f32(attrs["alpha"]))
+    elif op == "elu":
+        d = tirx.Select(x > zero, one, _f32(attrs["alpha"]) * tirx.exp(tirx.min(x, zero)))
+    elif op == "exp":
+        d = tirx.exp(x)
+    elif op == "log":
+        d = one / x
+    elif op == "sigmoid":
+        s = tirx.sigmoid(x)
+        d = s * (one - s)
+    elif op == "tanh":
+        t = tirx.tanh(x)
+        d = one - t * t
+    elif op == "sqrt":
+        d = _f32(0.5) / tirx.sqrt(x)
+    elif op == "pow":
+        d = _f32(attrs["exponent"]) * tirx.power(x, _f32(attrs["exponent"] - 1.0))
+    elif op == "div":
+        d = one / xs[1] if wrt == 0 else -xs[0] / (xs[1] * xs[1])
+    elif op in ("maximum", "minimum"):
+        p, q = (xs[0], xs[1]) if wrt == 0 else (xs[1], xs[0])
+        wins = p > q if op == "maximum" else p < q
+        d = tirx.Select(wins, one, tirx.Select(p == q, _f32(0.5), zero))
+    elif op == "max":
+        d = tirx.Select(xs[0] == xs[1], one, zero)
+    else:
+        raise ValueError(f"no gradient expression for {op}")
+    return dy * d
+
+
+@definer("ewise_grad")
+def ewise_grad(op: str, wrt: int, attrs: tuple, in_shapes: tuple, out_shape: tuple):
+    """out = dy * d op / d input[wrt], inputs (dy, *forward inputs) broadcast to out."""
+    n = tirx.Var("n", "int64")
+    attrs = dict(attrs)
+    ins = [te.placeholder(_dims(s, n), "float32", name=f"in{i}") for i, s in enumerate(in_shapes)]
+
+    def body(*idx):
+        vals = [t[_bcast_index(s, out_shape, idx)] if s else t[()] for t, s in zip(ins, in_shapes)]
+        return _grad_expr(op, wrt, attrs, vals[0], vals[1:])
+
+    out = te.compute(_dims(out_shape, n), body, name="ewise")
+    return te.create_prim_func(ins + [out])
+
+
+@definer("broadcast")
+def broadcast(in_shape: tuple, out_shape: tuple):
+    n = tirx.Var("n", "int64")
+    x = te.placeholder(_dims(in_shape, n), "float32", name="x")
+    out = te.compute(_dims(out_shape, n),
+                     lambda *i: x[_bcast_index(in_shape, out_shape, i)] if in_shape else x[()],
+                     name="ewise")
+    return te.create_prim_func([x, out])
+
+
+@definer("slice")
+def slice_(shape: tuple, axis: int, start: int, stop: int):
+    n = tirx.Var("n", "int64")
+    x = te.placeholder(_dims(shape, n), "float32", name="x")
+    oshape = list(_dims(shape, n))
+    oshape[axis] = stop - start
+    out = te.compute(tuple(oshape),
+                     lambda *i: x[i[:axis] + (i[axis] + start,) + i[axis + 1:]], name="ewise")
+    return te.create_prim_func([x, out])
+
+
+@definer("transpose")
+def transpose(K: int, M: int):
+    w = te.placeholder((K, M), "float32", name="w")
+    out = te.compute((M, K), lambda i, j: w[j, i], name="ewise")
+    return te.create_prim_func([w, out])
+
+
+CHUNKS = 16  # partial sums for reductions over the symbolic axis (>= threads, for balance)
+
+
+@definer("matmul_tn")
+def matmul_tn(K: int, M: int):
+    """out = x.T @ y (x: [n, K], y: [n, M]): weight gradients.
+
+    The rows are cut into CHUNKS contiguous ranges reduced in parallel into partial
+    [K, M] sums, then added up: no atomics, deterministic.
+    """
+    P = CHUNKS
+
+    @T.prim_func(s_tir=True)
+    def k(x_h: T.handle, y_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        x = T.match_buffer(x_h, (n, K), "float32", align=4)
+        y = T.match_buffer(y_h, (n, M), "float32", align=4)
+        out = T.match_buffer(out_h, (K, M), "float32", align=4)
+        part = T.sblock_alloc_buffer((P, K, M), "float32")
+        for p in range(P):
+            with T.sblock("part"):
+                vp = T.axis.remap("S", [p])
+                T.reads(x[0:n, 0:K], y[0:n, 0:M])
+                T.writes(part[vp, 0:K, 0:M])
+                for a, b in T.grid(K, M):
+                    part[vp, a, b] = T.float32(0)
+                for i in range(vp * n // P, (vp + 1) * n // P):
+                    for a in range(K):
+                        for b in range(M):
+                            part[vp, a, b] = part[vp, a, b] + x[i, a] * y[i, b]
+        for a, b in T.grid(K, M):
+            with T.sblock("sum"):
+                va, vb = T.axis.remap("SS", [a, b])
+                out[va, vb] = T.float32(0)
+                for q in range(P):
+                    out[va, vb] = out[va, vb] + part[q, va, vb]
+    return k
+
+
+@definer("cross_entropy")
+def cross_entropy(C: int):
+    """loss = sum_i m_i * (logsumexp(z_i) - z_i[y_i]) / sum_i m_i (rows with y < 0 skipped)."""
+
+    @T.prim_func(s_tir=True)
+    def k(z_h: T.handle, y_h: T.handle, m_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        z = T.match_buffer(z_h, (n, C), "float32", align=4)
+        y = T.match_buffer(y_h, (n,), "int32", align=4)
+        m = T.match_buffer(m_h, (n,), "float32", align=4)
+        out = T.match_buffer(out_h, (), "float32", align=4)
+        rowloss = T.sblock_alloc_buffer((n,), "float32")
+        for i in range(n):
+            with T.sblock("row"):
+                vi = T.axis.remap("S", [i])
+                T.reads(z[vi, 0:C], y[vi], m[vi])
+                T.writes(rowloss[vi])
+                mx = T.alloc_buffer((1,), "float32", scope="local")
+                sm = T.alloc_buffer((1,), "float32", scope="local")
+                mx[0] = z[vi, 0]
+                for c in range(1, C):
+                    mx[0] = T.max(mx[0], z[vi, c])
+                sm[0] = T.float32(0)
+                for c in range(C):
+                    sm[0] = sm[0] + T.exp(z[vi, c] - mx[0])
+                rowloss[vi] = T.Select(
+                    m[vi] != T.float32(0) and y[vi] >= 0,
+                    m[vi] * (mx[0] + T.log(sm[0]) - z[vi, T.max(y[vi], 0)]), T.float32(0))
+        with T.sblock("total"):
+            T.reads(rowloss[0:n], m[0:n])
+            T.writes(out[()])
+            acc = T.alloc_buffer((2,), "float32", scope="local")
+            acc[0] = T.float32(0)
+            acc[1] = T.float32(0)
+            for i in range(n):
+                acc[0] = acc[0] + rowloss[i]
+                acc[1] = acc[1] + m[i]
+            out[()] = acc[0] / acc[1]
+    return k
+
+
+@definer("cross_entropy_grad")
+def cross_entropy_grad(C: int):
+    """dz = dy * (softmax(z) - onehot(y)) * m / sum(m)."""
+
+    @T.prim_func(s_tir=True)
+    def k(dy_h: T.handle, z_h: T.handle, y_h: T.handle, m_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        dy = T.match_buffer(dy_h, (), "float32", align=4)
+        z = T.match_buffer(z_h, (n, C), "float32", align=4)
+        y = T.match_buffer(y_h, (n,), "int32", align=4)
+        m = T.match_buffer(m_h, (n,), "float32", align=4)
+        out = T.match_buffer(out_h, (n, C), "float32", align=4)
+        scale = T.sblock_alloc_buffer((1,), "float32")
+        with T.sblock("count"):
+            T.reads(m[0:n], dy[()])
+            T.writes(scale[0])
+            scale[0] = T.float32(0)
+            for i in range(n):
+                scale[0] = scale[0] + m[i]
+            scale[0] = dy[()] / scale[0]
+        for i in range(n):
+            with T.sblock("row"):
+                vi = T.axis.remap("S", [i])
+                T.reads(z[vi, 0:C], y[vi], m[vi], scale[0])
+                T.writes(out[vi, 0:C])
+                mx = T.alloc_buffer((1,), "float32", scope="local")
+                sm = T.alloc_buffer((1,), "float32", scope="local")
+                mx[0] = z[vi, 0]
+                for c in range(1, C):
+                    mx[0] = T.max(mx[0], z[vi, c])
+                sm[0] = T.float32(0)
+                for c in range(C):
+                    sm[0] = sm[0] + T.exp(z[vi, c] - mx[0])
+                for c in range(C):
+                    out[vi, c] = T.Select(
+                        m[vi] != T.float32(0) and y[vi] >= 0,
+                        (T.exp(z[vi, c] - mx[0]) / sm[0]
+                         - T.Select(y[vi] == c, T.float32(1), T.float32(0))) * m[vi] * scale[0],
+                        T.float32(0))
+    return k
+
+
+def _adam_moment(g, p, m, beta, wd, square: bool):
+    """beta * m + (1 - beta) * g' (or g'^2), g' = g + wd * p (L2 decay, as torch's Adam).
+
+    Built as one expression in Python: a named intermediate in TVMScript becomes a local
+    scalar, which the vectorizer would share across lanes.
+    """
+    gi = g + wd * p
+    return beta * m + (T.float32(1) - beta) * (gi * gi if square else gi)
+
+
+@definer("adam")
+def adam(S: int):
+    """In-place torch.optim.Adam step on a flattened parameter of S values.
+
+    hp = [lr, beta1, beta2, eps, weight_decay]; t = the step (1-based).  Weight decay is
+    L2 added to the gradient, as torch's Adam (not AdamW).
+    """
+
+    @T.prim_func(s_tir=True)
+    def k(p_h: T.handle, g_h: T.handle, m_h: T.handle, v_h: T.handle, hp_h: T.handle,
+          t_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        p = T.match_buffer(p_h, (S,), "float32", align=4)
+        g = T.match_buffer(g_h, (S,), "float32", align=4)
+        m = T.match_buffer(m_h, (S,), "float32", align=4)
+        v = T.match_buffer(v_h, (S,), "float32", align=4)
+        hp = T.match_buffer(hp_h, (5,), "float32", align=4)
+        t = T.match_buffer(t_h, (), "int32", align=4)
+        for i in range(S):
+            with T.sblock("adam"):
+                vi = T.axis.remap("S", [i])
+                # in place, element by element: declaring only the writes of p, m, v keeps
+                # the block "complete" so the schedule may vectorize and parallelize it
+                T.reads(g[vi], hp[0:5], t[()])
+                T.writes(p[vi], m[vi], v[vi])
+                m[vi] = _adam_moment(g[vi], p[vi], m[vi], hp[1], hp[4], False)
+                v[vi] = _adam_moment(g[vi], p[vi], v[vi], hp[2], hp[4], True)
+                p[vi] = p[vi] - hp[0] / (T.float32(1) - T.pow(hp[1], T.Cast("float32", t[()]))) \
+                    * m[vi] / (T.sqrt(v[vi])
+                               / T.sqrt(T.float32(1) - T.pow(hp[2], T.Cast("float32", t[()])))
+                               + hp[3])
+    return k
+
+
+@definer("sgd")
+def sgd(S: int):
+    """In-place torch.optim.SGD step; hp = [lr, momentum, dampening, weight_decay, nesterov]."""
+
+    @T.prim_func(s_tir=True)
+    def k(p_h: T.handle, g_h: T.handle, b_h: T.handle, hp_h: T.handle, t_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        p = T.match_buffer(p_h, (S,), "float32", align=4)
+        g = T.match_buffer(g_h, (S,), "float32", align=4)
+        b = T.match_buffer(b_h, (S,), "float32", align=4)
+        hp = T.match_buffer(hp_h, (5,), "float32", align=4)
+        t = T.match_buffer(t_h, (), "int32", align=4)
+        for i in range(S):
+            with T.sblock("sgd"):
+                vi = T.axis.remap("S", [i])
+                T.reads(g[vi], hp[0:5], t[()])  # in place, element by element (see adam)
+                T.writes(p[vi], b[vi])
+                # torch: the first step's buffer is the gradient itself (no dampening)
+                b[vi] = T.Select(t[()] <= 1, g[vi] + hp[3] * p[vi],
+                                 hp[1] * b[vi] + (T.float32(1) - hp[2]) * (g[vi] + hp[3] * p[vi]))
+                p[vi] = p[vi] - hp[0] * T.Select(hp[4] != T.float32(0),
+                                                 g[vi] + hp[3] * p[vi] + hp[1] * b[vi], b[vi])
+    return k

@@ -33,7 +33,9 @@ def _role(n: Node) -> str:
         return "graph"
     if n.ty.is_node:
         return "node"
-    return "edge" if n.ty.edge_graph else "tensor"
+    if n.ty.edge_graph:
+        return "edge"
+    return "scalar" if n.ty.rank == 0 else "tensor"
 
 
 class _Lowering:
@@ -45,7 +47,7 @@ class _Lowering:
     # -------------------------------------------------------------- helpers
     def buffer(self, n: Node, dims=None, alias: str | None = None, name: str | None = None) -> str:
         name = name or n.name
-        entry = {"dims": dims if dims is not None else plan_dims(n.ty), "dtype": "float32"}
+        entry = {"dims": dims if dims is not None else plan_dims(n.ty), "dtype": n.ty.dtype}
         if alias is not None:
             entry["alias"] = alias
         self.plan.buffers[name] = entry
@@ -74,8 +76,9 @@ class _Lowering:
         return "N" if d == N else f"E:{d.graph}"
 
     def flat2(self, n: Node) -> list:
-        """[lead, prod(rest)] view of a node or edge tensor."""
-        return [self.lead(n), int(prod(n.ty.shape[1:]))]
+        """[lead, prod(rest)] view of a tensor (lead: its symbolic or first static axis)."""
+        lead = n.ty.shape[0] if isinstance(n.ty.shape[0], int) else self.lead(n)
+        return [lead, int(prod(n.ty.shape[1:]))]
 
     # -------------------------------------------------------------- driver
     def run(self) -> tuple[Plan, dict[str, KernelSpec]]:
@@ -109,9 +112,12 @@ class _Lowering:
             self.plan.graphs.append({"name": n.name, "parent": None, "mode": None})
         else:
             entry["dims"] = plan_dims(n.ty)
+            entry["dtype"] = n.ty.dtype
             if n.ty.edge_graph:
                 entry["graph"] = n.ty.edge_graph
             self.buffer(n)
+            if entry["role"] == "scalar":  # step counters: persistent, set by the runtime
+                self.plan.state.append(n.name)
         self.plan.inputs.append(entry)
 
     def lower_param(self, n: Node) -> None:
@@ -173,7 +179,15 @@ class _Lowering:
     def lower_scatter(self, n: Node) -> None:
         g, e = n.inputs
         self.buffer(n)
-        spec = KernelSpec.make("csr_segment", reduce=n.attrs["reduce"], F=int(prod(e.ty.shape[1:])))
+        F = int(prod(e.ty.shape[1:]))
+        if n.attrs["side"] == "src":  # onto sources: CSC segments, edge values read via eid
+            if n.attrs["reduce"] != "sum":
+                raise CompileError(f"%{n.name}: only sum reduces onto source nodes")
+            self.step(n, KernelSpec.make("csr_segment_indirect", F=F),
+                      [self.garr(g, "csc_indptr"), self.garr(g, "csc_eid"),
+                       self.arg(e, self.flat2(e)), self.arg(n, self.flat2(n))])
+            return
+        spec = KernelSpec.make("csr_segment", reduce=n.attrs["reduce"], F=F)
         self.step(n, spec, [self.garr(g, "indptr"), self.arg(e, self.flat2(e)),
                             self.arg(n, self.flat2(n))])
 
@@ -189,11 +203,23 @@ class _Lowering:
         else:
             H, weight = int(prod(w.ty.shape[1:])), "head"
         C = int(prod(feat)) // H
+        wview = [self.arg(w, [self.lead(w), H if weight == "head" else 1])] if w is not None else []
+        tail = [self.arg(x, self.flat2(x)), self.arg(n, self.flat2(n))]
+        if n.attrs["flow"] == "out":  # over out-edges: the CSC arrays
+            if n.attrs["reduce"] != "sum":
+                raise CompileError(f"%{n.name}: only sum aggregates over out-edges")
+            head = [self.garr(g, "csc_indptr"), self.garr(g, "csc_indices")]
+            if w is None:
+                spec = KernelSpec.make("csr_agg", reduce="sum", H=H, C=C, weight="none")
+                self.step(n, spec, head + tail)
+            else:
+                spec = KernelSpec.make("csr_agg", reduce="sum", H=H, C=C, weight=weight,
+                                       indirect=True)
+                self.step(n, spec, head + [self.garr(g, "csc_eid")] + wview + tail)
+            return
         spec = KernelSpec.make("csr_agg", reduce=n.attrs["reduce"], H=H, C=C, weight=weight)
         args = [self.garr(g, "indptr"), self.garr(g, "indices")]
-        if w is not None:
-            args.append(self.arg(w, [self.lead(w), H if weight == "head" else 1]))
-        self.step(n, spec, args + [self.arg(x, self.flat2(x)), self.arg(n, self.flat2(n))])
+        self.step(n, spec, args + wview + tail)
 
     def lower_edge_softmax(self, n: Node) -> None:
         g, e = n.inputs
@@ -208,6 +234,17 @@ class _Lowering:
         if x.ty.rank != 2 or x.ty.is_static:
             raise CompileError(f"%{n.name}: matmul needs x of shape [N or E, K], got {x.ty}")
         self.buffer(n)
+        if n.attrs["trans_a"]:  # x.T @ w: a weight gradient, reduced over the rows
+            spec = KernelSpec.make("matmul_tn", K=int(x.ty.shape[1]), M=int(w.ty.shape[1]))
+            self.step(n, spec, [self.arg(x), self.arg(w), self.arg(n)])
+            return
+        if n.attrs["trans_b"]:  # x @ w.T: transpose the (small, static) w first
+            K, M = int(w.ty.shape[0]), int(w.ty.shape[1])
+            wt = self.buffer(n, dims=[M, K], name=f"{n.name}.wT")
+            self.step(n, KernelSpec.make("transpose", K=K, M=M), [self.arg(w), self.arg(wt)])
+            self.step(n, KernelSpec.make("matmul", K=M, M=K), [self.arg(x), self.arg(wt),
+                                                                self.arg(n)])
+            return
         spec = KernelSpec.make("matmul", K=int(w.ty.shape[0]), M=int(w.ty.shape[1]))
         self.step(n, spec, [self.arg(x), self.arg(w), self.arg(n)])
 
@@ -246,6 +283,84 @@ class _Lowering:
         axis = n.attrs["axis"] % n.ty.rank
         spec = KernelSpec.make("concat", shapes=[_spec_shape(i.ty) for i in n.inputs], axis=axis)
         self.step(n, spec, [self.arg(i) for i in n.inputs] + [self.arg(n)])
+
+    def lower_elementwise_grad(self, n: Node) -> None:
+        self.buffer(n)
+        attrs = {k: n.attrs[k] for k in ("alpha", "exponent")}
+        spec = KernelSpec.make("ewise_grad", op=n.attrs["op"], wrt=n.attrs["wrt"], attrs=attrs,
+                               in_shapes=[_spec_shape(i.ty) for i in n.inputs],
+                               out_shape=_spec_shape(n.ty))
+        self.step(n, spec, [self.arg(i) for i in n.inputs] + [self.arg(n)])
+
+    def lower_broadcast_to(self, n: Node) -> None:
+        x = n.inputs[0]
+        self.buffer(n)
+        spec = KernelSpec.make("broadcast", in_shape=_spec_shape(x.ty), out_shape=_spec_shape(n.ty))
+        self.step(n, spec, [self.arg(x), self.arg(n)])
+
+    def lower_slice(self, n: Node) -> None:
+        x = n.inputs[0]
+        self.buffer(n)
+        spec = KernelSpec.make("slice", shape=_spec_shape(x.ty), axis=n.attrs["axis"] % x.ty.rank,
+                               start=n.attrs["start"], stop=n.attrs["stop"])
+        self.step(n, spec, [self.arg(x), self.arg(n)])
+
+    def lower_dropout(self, n: Node) -> None:
+        x, step = n.inputs
+        self.buffer(n)
+        spec = KernelSpec.make("dropout", F=int(prod(x.ty.shape[1:])), p=float(n.attrs["p"]),
+                               seed=int(n.attrs["seed"]))
+        self.step(n, spec, [self.arg(x, self.flat2(x)), self.arg(step), self.arg(n, self.flat2(n))])
+
+    def lower_cross_entropy(self, n: Node) -> None:
+        z, y, m = n.inputs
+        self.buffer(n)
+        self.step(n, KernelSpec.make("cross_entropy", C=int(z.ty.shape[1])),
+                  [self.arg(z), self.arg(y), self.arg(m), self.arg(n)])
+
+    def lower_cross_entropy_grad(self, n: Node) -> None:
+        dy, z, y, m = n.inputs
+        self.buffer(n)
+        self.step(n, KernelSpec.make("cross_entropy_grad", C=int(z.ty.shape[1])),
+                  [self.arg(dy), self.arg(z), self.arg(y), self.arg(m), self.arg(n)])
+
+    def lower_edge_dot(self, n: Node) -> None:
+        g, x, y = n.inputs
+        self.buffer(n)
+        H = int(prod(x.ty.shape[1:-1]))
+        spec = KernelSpec.make("edge_dot", H=H, C=int(x.ty.shape[-1]))
+        self.step(n, spec, [self.garr(g, "indptr"), self.garr(g, "indices"),
+                            self.arg(x, self.flat2(x)), self.arg(y, self.flat2(y)),
+                            self.arg(n, [self.lead(n), H])])
+
+    def lower_aggregate_argmax(self, n: Node) -> None:
+        g, x = n.inputs
+        self.buffer(n)
+        spec = KernelSpec.make("argmax_rows", F=int(prod(x.ty.shape[1:])), gathered=True)
+        self.step(n, spec, [self.garr(g, "indptr"), self.garr(g, "indices"),
+                            self.arg(x, self.flat2(x)), self.arg(n, self.flat2(n))])
+
+    def lower_scatter_argmax(self, n: Node) -> None:
+        g, e = n.inputs
+        self.buffer(n)
+        spec = KernelSpec.make("argmax_rows", F=int(prod(e.ty.shape[1:])), gathered=False)
+        self.step(n, spec, [self.garr(g, "indptr"), self.arg(e, self.flat2(e)),
+                            self.arg(n, self.flat2(n))])
+
+    def lower_aggregate_max_grad(self, n: Node) -> None:
+        g, dy, am = n.inputs
+        self.buffer(n)
+        spec = KernelSpec.make("aggregate_max_grad", F=int(prod(dy.ty.shape[1:])))
+        self.step(n, spec, [self.garr(g, "csc_indptr"), self.garr(g, "csc_indices"),
+                            self.garr(g, "csc_eid"), self.arg(am, self.flat2(am)),
+                            self.arg(dy, self.flat2(dy)), self.arg(n, self.flat2(n))])
+
+    def lower_scatter_max_grad(self, n: Node) -> None:
+        g, dy, am = n.inputs
+        self.buffer(n)
+        spec = KernelSpec.make("scatter_max_grad", F=int(prod(dy.ty.shape[1:])))
+        self.step(n, spec, [self.garr(g, "rows"), self.arg(am, self.flat2(am)),
+                            self.arg(dy, self.flat2(dy)), self.arg(n, self.flat2(n))])
 
     def lower_reshape(self, n: Node) -> None:
         src = n.inputs[0]

@@ -12,6 +12,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from gcomp.codegen.kernels import definer
+from gcomp.ir import rng
 
 NEG_INF = -3.4028234663852886e38
 
@@ -27,11 +28,15 @@ def _finish(reduce: str, acc, vi, indptr):
 
 
 @definer("csr_agg")
-def csr_agg(reduce: str, H: int, C: int, weight: str):
+def csr_agg(reduce: str, H: int, C: int, weight: str, indirect: bool = False):
     """out[i, h, c] = reduce_{j in row i} w[j, h] * x[indices[j], h, c] (x, out viewed [., H*C]).
 
-    ``weight``: "none", "edge" (w: [nnz, 1]) or "head" (w: [nnz, H]).
+    ``weight``: "none", "edge" (w: [nnz, 1]) or "head" (w: [nnz, H]).  ``indirect``: the
+    rows are CSC segments (aggregation over out-edges) and edge values live in CSR order,
+    so they are read as w[eid[j], h].
     """
+    if indirect:
+        return _csr_agg_indirect(H, C, weight)
     init = T.float32(NEG_INF) if reduce == "max" else T.float32(0)
     is_max = reduce == "max"
     WH = H if weight == "head" else 1
@@ -277,4 +282,222 @@ def edge_remap(F: int, fill: float):
                 vj, vf = T.axis.remap("SS", [j, f])
                 out[vj, vf] = T.Select(origin[vj] >= T.int64(0),
                                        w[T.max(origin[vj], T.int64(0)), vf], T.float32(fill))
+    return k
+
+
+def _csr_agg_indirect(H: int, C: int, weight: str):
+    """Sum over out-edges: the backward of aggregation (indptr/indices/eid: CSC arrays)."""
+    WH = H if weight == "head" else 1
+    PH = 1 if weight == "head" else 0
+    F = H * C
+
+    @T.prim_func(s_tir=True)
+    def k(indptr_h: T.handle, indices_h: T.handle, eid_h: T.handle, w_h: T.handle, x_h: T.handle,
+          out_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n, m, nnz = T.int64(), T.int64(), T.int64()
+        indptr = T.match_buffer(indptr_h, (n + 1,), "int64", align=4)
+        indices = T.match_buffer(indices_h, (nnz,), "int32", align=4)
+        eid = T.match_buffer(eid_h, (nnz,), "int64", align=4)
+        w = T.match_buffer(w_h, (nnz, WH), "float32", align=4)
+        x = T.match_buffer(x_h, (m, F), "float32", align=4)
+        out = T.match_buffer(out_h, (n, F), "float32", align=4)
+        for i, h, c in T.grid(n, H, C):
+            with T.sblock("row"):
+                vi, vh, vc = T.axis.remap("SSS", [i, h, c])
+                T.reads(indptr[vi:vi + 2], indices[0:nnz], eid[0:nnz], w[0:nnz, 0:WH],
+                        x[0:m, vh * C + vc])
+                T.writes(out[vi, vh * C + vc])
+                out[vi, vh * C + vc] = T.float32(0)
+                for j in range(indptr[vi], indptr[vi + 1]):
+                    out[vi, vh * C + vc] = (out[vi, vh * C + vc]
+                                            + w[eid[j], vh * PH] * x[indices[j], vh * C + vc])
+    return k
+
+
+@definer("csr_segment_indirect")
+def csr_segment_indirect(F: int):
+    """out[i, f] = sum_{j in CSC segment i} e[eid[j], f]: edge values summed onto sources."""
+
+    @T.prim_func(s_tir=True)
+    def k(indptr_h: T.handle, eid_h: T.handle, e_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n, nnz = T.int64(), T.int64()
+        indptr = T.match_buffer(indptr_h, (n + 1,), "int64", align=4)
+        eid = T.match_buffer(eid_h, (nnz,), "int64", align=4)
+        e = T.match_buffer(e_h, (nnz, F), "float32", align=4)
+        out = T.match_buffer(out_h, (n, F), "float32", align=4)
+        for i, f in T.grid(n, F):
+            with T.sblock("row"):
+                vi, vf = T.axis.remap("SS", [i, f])
+                T.reads(indptr[vi:vi + 2], eid[0:nnz], e[0:nnz, vf])
+                T.writes(out[vi, vf])
+                out[vi, vf] = T.float32(0)
+                for j in range(indptr[vi], indptr[vi + 1]):
+                    out[vi, vf] = out[vi, vf] + e[eid[j], vf]
+    return k
+
+
+@definer("edge_dot")
+def edge_dot(H: int, C: int):
+    """out[j, h] = sum_c x[indices[j], h, c] * y[i, h, c] for every in-edge j of row i."""
+
+    @T.prim_func(s_tir=True)
+    def k(indptr_h: T.handle, indices_h: T.handle, x_h: T.handle, y_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n, m, nnz = T.int64(), T.int64(), T.int64()
+        indptr = T.match_buffer(indptr_h, (n + 1,), "int64", align=4)
+        indices = T.match_buffer(indices_h, (nnz,), "int32", align=4)
+        x = T.match_buffer(x_h, (m, H * C), "float32", align=4)
+        y = T.match_buffer(y_h, (n, H * C), "float32", align=4)
+        out = T.match_buffer(out_h, (nnz, H), "float32", align=4)
+        for i, h in T.grid(n, H):
+            with T.sblock("row"):
+                vi, vh = T.axis.remap("SS", [i, h])
+                T.reads(indptr[vi:vi + 2], indices[0:nnz], x[0:m, 0:H * C], y[vi, 0:H * C])
+                T.writes(out[0:nnz, vh])
+                for j in range(indptr[vi], indptr[vi + 1]):
+                    out[j, vh] = T.float32(0)
+                    for c in range(C):
+                        out[j, vh] = out[j, vh] + x[indices[j], vh * C + c] * y[vi, vh * C + c]
+    return k
+
+
+@definer("argmax_rows")
+def argmax_rows(F: int, gathered: bool):
+    """out[i, f] = the first edge position j of row i maximizing v_j[f], or -1 for an empty row.
+
+    ``gathered``: v_j = x[indices[j]] (aggregate); else v_j = e[j] (scatter of edge values).
+    """
+    if gathered:
+        @T.prim_func(s_tir=True)
+        def kg(indptr_h: T.handle, indices_h: T.handle, x_h: T.handle, out_h: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            n, m, nnz = T.int64(), T.int64(), T.int64()
+            indptr = T.match_buffer(indptr_h, (n + 1,), "int64", align=4)
+            indices = T.match_buffer(indices_h, (nnz,), "int32", align=4)
+            x = T.match_buffer(x_h, (m, F), "float32", align=4)
+            out = T.match_buffer(out_h, (n, F), "int32", align=4)
+            for i, f in T.grid(n, F):
+                with T.sblock("row"):
+                    vi, vf = T.axis.remap("SS", [i, f])
+                    T.reads(indptr[vi:vi + 2], indices[0:nnz], x[0:m, vf])
+                    T.writes(out[vi, vf])
+                    best = T.alloc_buffer((1,), "float32", scope="local")
+                    best[0] = T.float32(NEG_INF)
+                    out[vi, vf] = -1
+                    for j in range(indptr[vi], indptr[vi + 1]):
+                        if x[indices[j], vf] > best[0]:
+                            best[0] = x[indices[j], vf]
+                            out[vi, vf] = T.Cast("int32", j)
+        return kg
+
+    @T.prim_func(s_tir=True)
+    def ke(indptr_h: T.handle, e_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n, nnz = T.int64(), T.int64()
+        indptr = T.match_buffer(indptr_h, (n + 1,), "int64", align=4)
+        e = T.match_buffer(e_h, (nnz, F), "float32", align=4)
+        out = T.match_buffer(out_h, (n, F), "int32", align=4)
+        for i, f in T.grid(n, F):
+            with T.sblock("row"):
+                vi, vf = T.axis.remap("SS", [i, f])
+                T.reads(indptr[vi:vi + 2], e[0:nnz, vf])
+                T.writes(out[vi, vf])
+                best = T.alloc_buffer((1,), "float32", scope="local")
+                best[0] = T.float32(NEG_INF)
+                out[vi, vf] = -1
+                for j in range(indptr[vi], indptr[vi + 1]):
+                    if e[j, vf] > best[0]:
+                        best[0] = e[j, vf]
+                        out[vi, vf] = T.Cast("int32", j)
+    return ke
+
+
+@definer("scatter_max_grad")
+def scatter_max_grad(F: int):
+    """de[j, f] = dy[rows[j], f] if j is its destination's argmax for f, else 0."""
+
+    @T.prim_func(s_tir=True)
+    def k(rows_h: T.handle, am_h: T.handle, dy_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n, nnz = T.int64(), T.int64()
+        rows = T.match_buffer(rows_h, (nnz,), "int32", align=4)
+        am = T.match_buffer(am_h, (n, F), "int32", align=4)
+        dy = T.match_buffer(dy_h, (n, F), "float32", align=4)
+        out = T.match_buffer(out_h, (nnz, F), "float32", align=4)
+        for j, f in T.grid(nnz, F):
+            with T.sblock("edge"):
+                vj, vf = T.axis.remap("SS", [j, f])
+                out[vj, vf] = T.Select(T.Cast("int64", am[rows[vj], vf]) == vj, dy[rows[vj], vf],
+                                       T.float32(0))
+    return k
+
+
+@definer("aggregate_max_grad")
+def aggregate_max_grad(F: int):
+    """dx[s, f] = sum over out-edges (CSC slot k, edge eid[k], destination d) of dy[d, f]
+    where the edge is d's argmax for f."""
+
+    @T.prim_func(s_tir=True)
+    def k(indptr_h: T.handle, indices_h: T.handle, eid_h: T.handle, am_h: T.handle, dy_h: T.handle,
+          out_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n, m, nnz = T.int64(), T.int64(), T.int64()
+        indptr = T.match_buffer(indptr_h, (n + 1,), "int64", align=4)
+        indices = T.match_buffer(indices_h, (nnz,), "int32", align=4)
+        eid = T.match_buffer(eid_h, (nnz,), "int64", align=4)
+        am = T.match_buffer(am_h, (m, F), "int32", align=4)
+        dy = T.match_buffer(dy_h, (m, F), "float32", align=4)
+        out = T.match_buffer(out_h, (n, F), "float32", align=4)
+        for i, f in T.grid(n, F):
+            with T.sblock("row"):
+                vi, vf = T.axis.remap("SS", [i, f])
+                T.reads(indptr[vi:vi + 2], indices[0:nnz], eid[0:nnz], am[0:m, vf], dy[0:m, vf])
+                T.writes(out[vi, vf])
+                out[vi, vf] = T.float32(0)
+                for j in range(indptr[vi], indptr[vi + 1]):
+                    out[vi, vf] = out[vi, vf] + T.Select(
+                        T.Cast("int64", am[indices[j], vf]) == eid[j], dy[indices[j], vf],
+                        T.float32(0))
+    return k
+
+
+def _u32(v):
+    return T.uint32(v & 0xFFFFFFFF)
+
+
+def _keep(index, step, seed: int, p: float):
+    """The dropout keep test of gcomp/ir/rng.py as one expression.
+
+    Built in Python at parse time: TVMScript turns a named intermediate into a local
+    scalar, which the vectorizer would share across lanes.
+    """
+    h = ((T.Cast("uint32", index) * _u32(rng.GOLDEN)) ^ _u32(seed * rng.SEED_MUL)
+         ^ (T.Cast("uint32", step) * _u32(rng.STEP_MUL)))
+    h = (h ^ (h >> T.uint32(16))) * _u32(rng.FMIX1)
+    h = (h ^ (h >> T.uint32(13))) * _u32(rng.FMIX2)
+    h = h ^ (h >> T.uint32(16))
+    return T.Cast("float32", h >> T.uint32(8)) * T.float32(1.0 / (1 << 24)) >= T.float32(p)
+
+
+@definer("dropout")
+def dropout(F: int, p: float, seed: int):
+    """out = x * keep / (1 - p); keep from the counter hash of gcomp/ir/rng.py."""
+    scale = 1.0 / (1.0 - p)
+
+    @T.prim_func(s_tir=True)
+    def k(x_h: T.handle, step_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        x = T.match_buffer(x_h, (n, F), "float32", align=4)
+        step = T.match_buffer(step_h, (), "int32", align=4)
+        out = T.match_buffer(out_h, (n, F), "float32", align=4)
+        for i, f in T.grid(n, F):
+            with T.sblock("drop"):
+                vi, vf = T.axis.remap("SS", [i, f])
+                T.reads(x[vi, vf], step[()])
+                T.writes(out[vi, vf])
+                out[vi, vf] = T.Select(_keep(vi * F + vf, step[()], seed, p),
+                                       x[vi, vf] * T.float32(scale), T.float32(0))
     return k

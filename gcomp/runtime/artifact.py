@@ -5,7 +5,8 @@ A zip archive (stored, not compressed) holding:
 ``manifest.json``   format name and version, gcomp and TVM versions, target,
                     model description, signature, and the SHA-256 of every
                     other member
-``plan.json``       the execution plan (``gcomp/runtime/plan.py``)
+``plan.json``       the inference (forward) plan (``gcomp/runtime/plan.py``)
+``train_plan.json`` training artifacts only: forward, backward and optimizer
 ``params.npz``      parameter values
 ``kernels.so``      the compiled kernel library (``tvm.runtime.load_module``)
 ``ir/*.ir``         the Graph IR before and after the passes (for ``gcomp info``)
@@ -53,13 +54,15 @@ class Artifact:
     """A compiled model: plan, parameters, kernel library, and its description."""
 
     def __init__(self, manifest: dict, plan: Plan, params: dict[str, np.ndarray], lib_bytes: bytes,
-                 ir: dict[str, str]):
+                 ir: dict[str, str], train_plan: Plan | None = None):
         self.manifest = manifest
         self.plan = plan
+        self.train_plan = train_plan
         self.params = params
         self.lib_bytes = lib_bytes
         self.ir = ir
         self._executor = None
+        self._lib = None
         self._libdir = None
 
     # ------------------------------------------------------------------ description
@@ -81,30 +84,44 @@ class Artifact:
             "tvm_version": m["tvm_version"],
             "format_version": m["format_version"],
             "signature": m["signature"],
-            "kernels": self.plan.kernels(),
-            "num_kernels": len(self.plan.kernels()),
+            "kind": "training" if self.train_plan is not None else "inference",
+            "optimizer": m.get("optimizer"),
+            "kernels": self.kernels(),
+            "num_kernels": len(self.kernels()),
             "ops": m.get("ops", {}),
             "parameters": {k: list(v.shape) for k, v in self.params.items()},
             "num_parameters": int(sum(v.size for v in self.params.values())),
-            "steps": {"bind": len(self.plan.bind_steps), "run": len(self.plan.steps)},
+            "steps": {"bind": len(self.plan.bind_steps), "run": len(self.plan.steps),
+                      **({"train": len(self.train_plan.steps)} if self.train_plan else {})},
             "sizes": {"kernels_so_bytes": len(self.lib_bytes),
                       "params_bytes": int(sum(v.nbytes for v in self.params.values()))},
         }
 
-    # ------------------------------------------------------------------ running
-    def executor(self):
-        if self._executor is None:
-            import tvm
+    def kernels(self) -> list[str]:
+        names = dict.fromkeys(self.plan.kernels())
+        if self.train_plan is not None:
+            names.update(dict.fromkeys(self.train_plan.kernels()))
+        return list(names)
 
-            from gcomp.runtime.executor import Executor
+    # ------------------------------------------------------------------ running
+    def library(self):
+        """The kernel library, loaded once (from a private temporary directory)."""
+        if self._lib is None:
+            import tvm
             self._libdir = tempfile.TemporaryDirectory(prefix="gcomp-")
             lib_path = Path(self._libdir.name) / LIB_NAME
             lib_path.write_bytes(self.lib_bytes)
             try:
-                lib = tvm.runtime.load_module(str(lib_path))
+                self._lib = tvm.runtime.load_module(str(lib_path))
             except Exception as e:  # noqa: BLE001
                 raise ArtifactError(f"cannot load the kernel library of this artifact: {e}") from None
-            self._executor = Executor(self.plan, lib, self.params)
+        return self._lib
+
+    def executor(self):
+        """An executor of the forward plan (inference)."""
+        if self._executor is None:
+            from gcomp.runtime.executor import Executor
+            self._executor = Executor(self.plan, self.library(), self.params)
         return self._executor
 
     def run(self, graph, features: dict | None = None) -> list[np.ndarray]:
@@ -114,6 +131,9 @@ class Artifact:
     def to_bytes(self) -> bytes:
         members = {
             "plan.json": json.dumps(self.plan.to_json(), indent=1, sort_keys=True).encode(),
+            **({"train_plan.json": json.dumps(self.train_plan.to_json(), indent=1,
+                                              sort_keys=True).encode()}
+               if self.train_plan is not None else {}),
             "params.npz": _npz_bytes(self.params),
             LIB_NAME: self.lib_bytes,
         }
@@ -151,7 +171,7 @@ def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
 
 
 def new_manifest(model: dict, signature: dict, target: dict, ops: dict,
-                 device_code_format: str | None = None) -> dict:
+                 device_code_format: str | None = None, optimizer: dict | None = None) -> dict:
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -163,6 +183,7 @@ def new_manifest(model: dict, signature: dict, target: dict, ops: dict,
         "model": model,
         "signature": signature,
         "ops": ops,
+        "optimizer": optimizer,
     }
 
 
@@ -210,7 +231,9 @@ def load(path: str | Path) -> Artifact:
             if required not in data:
                 raise ArtifactError(f"{str(path)!r} is corrupt: the manifest lists no {required}")
     plan = Plan.from_json(json.loads(data["plan.json"]))
+    train_plan = (Plan.from_json(json.loads(data["train_plan.json"]))
+                  if "train_plan.json" in data else None)
     with np.load(io.BytesIO(data["params.npz"]), allow_pickle=False) as z:
         params = {k: np.array(z[k], dtype=np.float32) for k in z.files}
     ir = {n[3:-3]: data[n].decode() for n in data if n.startswith("ir/")}
-    return Artifact(manifest, plan, params, data[LIB_NAME], ir)
+    return Artifact(manifest, plan, params, data[LIB_NAME], ir, train_plan)

@@ -185,3 +185,19 @@ def load_features(path: str | Path, num_nodes: int) -> np.ndarray:
     if isinstance(x, np.lib.npyio.NpzFile):
         raise InputError(f"features file {str(path)!r} is an .npz; give an .npy array")
     return check_features(x, num_nodes, f"features {str(path)!r}")
+
+
+def normalize_features(graph: GraphData) -> GraphData:
+    """Row-normalize node features to sum 1 (PyG's NormalizeFeatures; rows of zeros stay)."""
+    x = graph.x
+    if x is None:
+        raise InputError(f"graph {graph.name!r} has no features to normalize")
+    if sp.issparse(x):
+        sums = np.asarray(x.sum(axis=1)).ravel()
+        scale = np.where(sums != 0, 1.0 / np.where(sums != 0, sums, 1), 1.0).astype(np.float32)
+        x = sp.csr_matrix(sp.diags(scale) @ x, dtype=np.float32)
+    else:
+        sums = x.sum(axis=1, keepdims=True)
+        x = (x / np.where(sums != 0, sums, 1)).astype(np.float32)
+    return GraphData(graph.name, graph.num_nodes, graph.edge_index, x, graph.edge_weight, graph.y,
+                     graph.train_mask, graph.val_mask, graph.test_mask)

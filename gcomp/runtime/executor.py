@@ -1,11 +1,15 @@
 """Execute a plan with compiled kernels.  Needs the TVM runtime only.
 
-``Executor(plan, lib, params)`` owns the parameter tensors.  ``bind(graph)``
-prepares everything that depends on one graph, once: graph arrays, buffers
-sized for its node and edge counts, views, edge inputs, and the bind-phase
-kernels (degrees, normalizations); the result is cached per graph object.
-``run(binding, features)`` copies node features in and calls the run-phase
-kernels in order; no allocation happens there.
+``Executor(plan, lib, params, store)`` owns (or shares, through ``store``) the
+tensors that outlive a graph: parameters, constants and plan ``state``
+(optimizer moments, step counters).  A training executor and its evaluation
+executor share one store, so both see the same parameters with no copies.
+
+``bind(graph)`` prepares everything that depends on one graph, once: graph
+arrays, buffers sized for its node and edge counts, views, edge inputs, and the
+bind-phase kernels (degrees, normalizations); the last binding is cached.
+``execute(binding)`` calls the run-phase kernels in order; no allocation and no
+numpy arithmetic happens there.
 """
 
 from __future__ import annotations
@@ -32,8 +36,13 @@ class Binding:
     bind_time_s: float = 0.0
 
 
+def _resolve(dims: list, sizes: dict[str, int]) -> tuple:
+    return tuple(sizes[d] if isinstance(d, str) else int(d) for d in dims)
+
+
 class Executor:
-    def __init__(self, plan: Plan, lib, params: dict[str, np.ndarray], device=None):
+    def __init__(self, plan: Plan, lib, params: dict[str, np.ndarray], store: dict | None = None,
+                 device=None):
         self.plan = plan
         self.lib = lib
         self.device = device or tvm.cpu()
@@ -43,29 +52,37 @@ class Executor:
                 self.functions[k] = lib[k]
             except Exception as e:  # noqa: BLE001 - a library without a kernel is corrupt
                 raise InputError(f"compiled library lacks kernel {k}: {e}") from None
-        self.params = {}
+        self.store = store if store is not None else {}
         for name in plan.params:
-            self.params[name] = self._tensor(params[name])
+            if name not in self.store:
+                self.store[name] = self.tensor(params[name])
         for name, value in plan.consts.items():
-            self.params[name] = self._tensor(np.asarray(value, np.float32))
-        self._bindings: dict[int, Binding] = {}
+            if name not in self.store:
+                self.store[name] = self.tensor(np.asarray(value, np.float32))
+        for name in plan.state:
+            if name not in self.store:
+                b = plan.buffers[name]
+                self.store[name] = self.tensor(np.zeros(_resolve(b["dims"], {}), b["dtype"]))
+        self._binding: Binding | None = None
 
-    def _tensor(self, a: np.ndarray):
-        t = tvm.runtime.empty(a.shape, "float32", self.device)
-        t.copyfrom(np.array(a, dtype=np.float32, order="C"))  # keeps 0-d shapes
+    def tensor(self, a: np.ndarray):
+        a = np.array(a, order="C")  # np.array keeps 0-d shapes (ascontiguousarray does not)
+        t = tvm.runtime.empty(a.shape, str(a.dtype), self.device)
+        t.copyfrom(a)
         return t
 
-    def set_param(self, name: str, value: np.ndarray) -> None:
-        self.params[name].copyfrom(np.array(value, dtype=np.float32, order="C"))
+    def set(self, name: str, value) -> None:
+        """Overwrite a stored tensor (a parameter, state or scalar input) in place."""
+        t = self.store[name]
+        t.copyfrom(np.array(value, dtype=t.dtype, order="C").reshape(t.shape))
+
+    def get(self, name: str) -> np.ndarray:
+        return self.store[name].numpy()
 
     # ------------------------------------------------------------------ binding
-    def _resolve(self, dims: list, sizes: dict[str, int]) -> tuple:
-        return tuple(sizes[d] if isinstance(d, str) else int(d) for d in dims)
-
     def bind(self, graph: GraphData) -> Binding:
-        cached = self._bindings.get(id(graph))
-        if cached is not None and cached.graph is graph:
-            return cached
+        if self._binding is not None and self._binding.graph is graph:
+            return self._binding
         t0 = time.perf_counter()
         structures: dict[str, GraphStructure] = {}
         for gspec in self.plan.graphs:
@@ -76,14 +93,14 @@ class Executor:
                 structures[gspec["name"]] = structures[gspec["parent"]].derive(gspec["mode"])
         sizes = {"N": graph.num_nodes}
         sizes.update({f"E:{k}": s.num_edges for k, s in structures.items()})
-        buffers: dict[str, object] = dict(self.params)
+        buffers: dict[str, object] = dict(self.store)
         for name, b in self.plan.buffers.items():  # roots first, then views of them
             if name not in buffers and "alias" not in b:
-                buffers[name] = tvm.runtime.empty(self._resolve(b["dims"], sizes), "float32",
+                buffers[name] = tvm.runtime.empty(_resolve(b["dims"], sizes), b["dtype"],
                                                   self.device)
         for name, b in self.plan.buffers.items():
             if "alias" in b:
-                buffers[name] = buffers[b["alias"]]._create_view(self._resolve(b["dims"], sizes))
+                buffers[name] = buffers[b["alias"]]._create_view(_resolve(b["dims"], sizes))
         arrays: dict[tuple, object] = {}
 
         def graph_array(gname: str, array: str):
@@ -98,7 +115,7 @@ class Executor:
                 if "graph" in a:
                     out.append(graph_array(a["graph"], a["array"]))
                 elif "view" in a:
-                    out.append(buffers[a["buf"]]._create_view(self._resolve(a["view"], sizes)))
+                    out.append(buffers[a["buf"]]._create_view(_resolve(a["view"], sizes)))
                 else:
                     out.append(buffers[a["buf"]])
             return tuple(out)
@@ -112,7 +129,7 @@ class Executor:
             self.functions[step["kernel"]](*args_of(step))
         b.steps = [(self.functions[s["kernel"]], args_of(s)) for s in self.plan.steps]
         b.bind_time_s = time.perf_counter() - t0
-        self._bindings = {id(graph): b}  # keep one binding: buffers are sized per graph
+        self._binding = b  # one binding at a time: buffers are sized per graph
         return b
 
     @staticmethod
@@ -123,25 +140,35 @@ class Executor:
         w = check_edge_values(graph.edge_weight, graph.num_edges, f"{graph.name}: edge_weight")
         want = tuple(inp["dims"][1:])
         if w.shape[1:] != want:
-            raise InputError(f"edge values {inp['name']!r} must have shape (E, {', '.join(map(str, want))}), "
-                             f"got {w.shape}")
+            raise InputError(f"edge values {inp['name']!r} must have shape (E, "
+                             f"{', '.join(map(str, want))}), got {w.shape}")
         return w
 
     # ------------------------------------------------------------------ running
-    def feed(self, binding: Binding, features: dict[str, np.ndarray]) -> None:
-        for inp in self.plan.inputs:
-            if inp["role"] != "node":
-                continue
-            if inp["name"] not in features:
-                raise InputError(f"missing node input {inp['name']!r}")
-            x = check_features(features[inp["name"]], binding.graph.num_nodes, inp["name"])
-            want = self._resolve(inp["dims"], binding.dims)
-            if hasattr(x, "todense"):
-                x = np.asarray(x.todense(), dtype=np.float32)
-            if x.shape != want:
-                raise InputError(f"input {inp['name']!r}: the model expects {want[1]} features per "
-                                 f"node, got {x.shape[1]}")
-            binding.buffers[inp["name"]].copyfrom(x.reshape(want))
+    def node_inputs(self) -> list[dict]:
+        return [i for i in self.plan.inputs if i["role"] == "node"]
+
+    def feed(self, binding: Binding, values: dict[str, np.ndarray]) -> None:
+        """Copy node inputs (features; labels and masks for training) into their buffers."""
+        for inp in self.node_inputs():
+            name = inp["name"]
+            if name not in values:
+                raise InputError(f"missing node input {name!r}")
+            want = _resolve(inp["dims"], binding.dims)
+            dtype = inp.get("dtype", "float32")
+            if dtype == "float32" and len(want) == 2:
+                x = check_features(values[name], binding.graph.num_nodes, name)
+                if hasattr(x, "todense"):
+                    x = np.asarray(x.todense(), dtype=np.float32)
+                if x.shape != want:
+                    raise InputError(f"input {name!r}: the model expects {want[1]} features per "
+                                     f"node, got {x.shape[1]}")
+            else:
+                x = np.asarray(values[name])
+                if x.shape != want:
+                    raise InputError(f"input {name!r} must have shape {want}, got {x.shape}")
+                x = np.ascontiguousarray(x, dtype=dtype)
+            binding.buffers[name].copyfrom(x)
 
     def execute(self, binding: Binding) -> None:
         for fn, args in binding.steps:
@@ -160,8 +187,7 @@ class Executor:
         """Bind ``graph`` (cached), feed node inputs (default: the graph's own ``x``), run."""
         binding = self.bind(graph)
         if features is None:
-            names = [i["name"] for i in self.plan.inputs if i["role"] == "node"]
-            features = {n: graph.dense_x() for n in names}
+            features = {i["name"]: graph.dense_x() for i in self.node_inputs()}
         self.feed(binding, features)
         self.execute(binding)
         return self.outputs(binding)

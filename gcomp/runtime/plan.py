@@ -14,9 +14,14 @@ a graph value) or ints.
   a kernel name and its arguments: ``{"buf": name, "view": dims?}`` or
   ``{"graph": name, "array": "indptr" | "indices" | "rows" | "csc_indptr" |
   "csc_eid" | "origin"}``.
-* ``params``: parameter names (buffers of the same name); ``consts``: scalar
-  buffers and their values.
+* ``params``: parameter names (buffers of the same name); ``consts``: constant
+  buffers and their values (a number or a list); ``state``: buffers that live
+  as long as the executor, not a graph binding (optimizer moments, step
+  counters); they start at zero and checkpoints save them.
 * ``outputs``: name, buffer, role, and for edge outputs their graph.
+* training plans: ``loss`` (buffer of the scalar loss) and ``grads``
+  (parameter -> gradient buffer); their ``steps`` end with the optimizer
+  updates, so one pass over ``steps`` is one whole training step.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 PLAN_VERSION = 1
-GRAPH_ARRAYS = ("indptr", "indices", "rows", "csc_indptr", "csc_eid", "origin")
+GRAPH_ARRAYS = ("indptr", "indices", "rows", "csc_indptr", "csc_indices", "csc_eid", "origin")
 
 
 @dataclass
@@ -34,7 +39,10 @@ class Plan:
     graphs: list[dict] = field(default_factory=list)
     buffers: dict[str, dict] = field(default_factory=dict)
     params: list[str] = field(default_factory=list)
-    consts: dict[str, float] = field(default_factory=dict)
+    consts: dict[str, float | list] = field(default_factory=dict)
+    state: list[str] = field(default_factory=list)
+    loss: str | None = None
+    grads: dict[str, str] = field(default_factory=dict)
     bind_steps: list[dict] = field(default_factory=list)
     steps: list[dict] = field(default_factory=list)
     version: int = PLAN_VERSION

@@ -50,6 +50,22 @@ def schedule(sch, spec) -> None:
         _rows(sch, "take", p["F"])
     elif kind == "edge_remap":
         _rows(sch, "remap", p["F"])
+    elif kind == "csr_segment_indirect":
+        _rows(sch, "row", p["F"])
+    elif kind in ("aggregate_max_grad",):
+        _rows(sch, "row", p["F"])
+    elif kind == "scatter_max_grad":
+        _rows(sch, "edge", p["F"])
+    elif kind == "dropout":
+        _rows(sch, "drop", p["F"])
+    elif kind in ("edge_dot", "argmax_rows"):  # local accumulators: rows in parallel only
+        sch.parallel(sch.get_loops(sch.get_sblock("row"))[0])
+    elif kind in ("cross_entropy", "cross_entropy_grad"):
+        sch.parallel(sch.get_loops(sch.get_sblock("row"))[0])
+    elif kind == "matmul_tn":
+        sch.parallel(sch.get_loops(sch.get_sblock("part"))[0])
+    elif kind in ("adam", "sgd"):
+        _flat_update(sch, kind, p["S"])
     elif kind == "edge_softmax":
         sch.parallel(sch.get_loops(sch.get_sblock("row"))[0])
     elif kind == "degree":
@@ -58,8 +74,10 @@ def schedule(sch, spec) -> None:
         sch.parallel(sch.get_loops(sch.get_sblock("norm"))[0])
     elif kind == "matmul":
         _matmul(sch, p["M"])
-    elif kind in ("ewise", "concat"):
-        _elementwise(sch, "ewise" if kind == "ewise" else "concat")
+    elif kind in ("ewise", "ewise_grad", "broadcast", "slice", "transpose"):
+        _elementwise(sch, "ewise")
+    elif kind == "concat":
+        _elementwise(sch, "concat")
     elif kind == "reduce":
         _reduce(sch, p)
     elif kind == "softmax":
@@ -118,3 +136,17 @@ def _softmax(sch) -> None:
     sch.compute_at(sch.get_sblock("rowmax"), row)
     if _static_extent(sch, sch.get_loops(out)[0]) is None or len(loops) > 2:
         sch.parallel(row)
+
+
+def _flat_update(sch, block: str, size: int) -> None:
+    """Optimizer updates: one loop over a parameter's values, vectorized, threaded when large."""
+    loop = sch.get_loops(sch.get_sblock(block))[0]
+    width = next((w for w in (VEC, 8, 4) if size % w == 0), None)
+    if width is None:
+        if size >= 1 << 14:
+            sch.parallel(loop)
+        return
+    outer, inner = sch.split(loop, [None, width])
+    sch.vectorize(inner)
+    if size >= 1 << 14:
+        sch.parallel(outer)

@@ -1,0 +1,73 @@
+"""Optimizer updates appended to a training plan: the last kernels of a step.
+
+Expects: a plan lowered from a training graph (``graph.meta["grads"]`` names each
+parameter's gradient).  Guarantees: one in-place update kernel per parameter
+after the backward kernels, reading hyperparameters from the constant buffer
+``opt.hparams`` and the 1-based step from the scalar input ``opt_step``;
+optimizer moments are plan ``state`` (zero at start, saved in checkpoints).
+Semantics are torch.optim's: Adam with L2 ``weight_decay`` added to the
+gradient, SGD with momentum, dampening and Nesterov.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from math import prod
+
+from gcomp.codegen.kernels import KernelSpec
+from gcomp.errors import CompileError
+from gcomp.runtime.plan import Plan
+
+STEP = "opt_step"
+HPARAMS = "opt.hparams"
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adam"
+    lr: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+
+    def __post_init__(self):
+        if self.name not in ("adam", "sgd"):
+            raise CompileError(f"unknown optimizer {self.name!r} (adam, sgd)")
+        if self.lr <= 0 or self.weight_decay < 0 or self.eps <= 0:
+            raise CompileError("optimizer needs lr > 0, eps > 0 and weight_decay >= 0")
+
+    def hparams(self) -> list[float]:
+        if self.name == "adam":
+            return [self.lr, self.beta1, self.beta2, self.eps, self.weight_decay]
+        return [self.lr, self.momentum, self.dampening, self.weight_decay, float(self.nesterov)]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def add_optimizer(plan: Plan, specs: dict, cfg: OptimizerConfig) -> None:
+    plan.consts[HPARAMS] = cfg.hparams()
+    plan.buffers[HPARAMS] = {"dims": [5], "dtype": "float32"}
+    plan.buffers[STEP] = {"dims": [], "dtype": "int32"}
+    plan.inputs.append({"name": STEP, "role": "scalar", "dims": [], "dtype": "int32"})
+    plan.state.append(STEP)
+    moments = ("m", "v") if cfg.name == "adam" else ("buf",)
+    for p, g in plan.grads.items():
+        size = int(prod(plan.buffers[p]["dims"]))
+        names = []
+        for m in moments:
+            name = f"opt.{m}.{p}"
+            plan.buffers[name] = {"dims": list(plan.buffers[p]["dims"]), "dtype": "float32"}
+            plan.state.append(name)
+            names.append(name)
+        spec = KernelSpec.make(cfg.name, S=size)
+        specs[spec.name] = spec
+        flat = [size]
+        args = [{"buf": p, "view": flat}, {"buf": g, "view": flat}]
+        args += [{"buf": n, "view": flat} for n in names]
+        args += [{"buf": HPARAMS}, {"buf": STEP}]
+        plan.steps.append({"kernel": spec.name, "args": args, "node": f"{cfg.name}.{p}"})

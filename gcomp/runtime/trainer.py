@@ -1,0 +1,173 @@
+"""Training with a training artifact: steps, evaluation, checkpoints.
+
+    trainer = Trainer(artifact, load_graph("cora"), seed=0)
+    for epoch in range(200):
+        loss = trainer.step()          # forward, loss, backward, optimizer: compiled kernels
+    print(trainer.evaluate())          # {"loss":..., "train_acc":..., "val_acc":..., "test_acc":...}
+    trainer.save("ckpt.npz")           # atomic: temporary file + rename
+
+A step feeds two scalars (the step counter for the optimizer and the dropout
+masks) and runs the training plan's kernels; the features, labels and masks
+were copied in once when the graph was bound.  Evaluation runs the forward
+(eval-mode) plan over the same parameter tensors.  Labels below 0 (unlabelled
+nodes) never count, whatever the masks say.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from gcomp.errors import ArtifactError, InputError
+from gcomp.runtime.data import GraphData
+from gcomp.runtime.executor import Executor
+from gcomp.runtime.synthetic import random_split
+
+RNG_STEP = "rng_step"
+OPT_STEP = "opt_step"
+CHECKPOINT_FORMAT = "gcomp-checkpoint"
+
+
+def masks_of(graph: GraphData, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The graph's train/val/test masks, or a seeded 60/20/20 split; unlabelled nodes out."""
+    if graph.y is None:
+        raise InputError(f"graph {graph.name!r} has no labels (y); training needs them")
+    if graph.train_mask is not None:
+        masks = [m if m is not None else np.zeros(graph.num_nodes, bool)
+                 for m in (graph.train_mask, graph.val_mask, graph.test_mask)]
+    else:
+        masks = random_split(graph.num_nodes, np.random.default_rng(seed))
+    labelled = graph.y >= 0
+    masks = [m & labelled for m in masks]
+    if not masks[0].any():
+        raise InputError(f"graph {graph.name!r}: the training mask selects no labelled node")
+    return masks[0], masks[1], masks[2]
+
+
+class Trainer:
+    def __init__(self, artifact, graph: GraphData, seed: int = 0):
+        if artifact.train_plan is None:
+            raise ArtifactError("this artifact was compiled for inference; compile it with "
+                                "--train (compile_model(..., train=True)) to train")
+        self.artifact = artifact
+        self.graph = graph
+        self.seed = int(seed)
+        lib = artifact.library()
+        self.store: dict = {}
+        self.train_ex = Executor(artifact.train_plan, lib, artifact.params, self.store)
+        self.eval_ex = Executor(artifact.plan, lib, artifact.params, self.store)
+        self.train_mask, self.val_mask, self.test_mask = masks_of(graph, seed)
+        n_classes = self._num_classes()
+        if int(graph.y.max()) >= n_classes:
+            raise InputError(f"graph {graph.name!r} has labels up to {int(graph.y.max())}, but the "
+                             f"model predicts {n_classes} classes")
+        self.step_count = 0
+        x = graph.dense_x()
+        self._binding = self.train_ex.bind(graph)
+        self.bind_time_s = self._binding.bind_time_s
+        feeds = {"labels": np.where(graph.y >= 0, graph.y, 0).astype(np.int32),
+                 "train_mask": self.train_mask.astype(np.float32)}
+        for inp in self.train_ex.node_inputs():
+            if inp["name"] not in feeds:
+                feeds[inp["name"]] = x
+        self.train_ex.feed(self._binding, feeds)
+        self._x = x
+
+    def _num_classes(self) -> int:
+        out = self.artifact.plan.outputs[0]
+        return int(out["dims"][-1])
+
+    # ------------------------------------------------------------------ training
+    def step(self) -> float:
+        """One training step; returns the loss before the update."""
+        self.step_count += 1
+        self.train_ex.set(OPT_STEP, self.step_count)
+        if RNG_STEP in self.store:
+            # the seed offsets the dropout counter, so seeds give different masks
+            self.train_ex.set(RNG_STEP, (self.step_count + self.seed * 1_000_003) % (1 << 31))
+        self.train_ex.execute(self._binding)
+        return float(self._binding.buffers[self.artifact.train_plan.loss].numpy())
+
+    def logits(self) -> np.ndarray:
+        b = self.eval_ex.bind(self.graph)
+        feeds = {i["name"]: self._x for i in self.eval_ex.node_inputs()}
+        self.eval_ex.feed(b, feeds)
+        self.eval_ex.execute(b)
+        return self.eval_ex.outputs(b)[0]
+
+    def evaluate(self) -> dict:
+        """Eval-mode loss and accuracies on the train, validation and test masks."""
+        z = self.logits().astype(np.float64)
+        y = self.graph.y
+        lse = np.log(np.exp(z - z.max(1, keepdims=True)).sum(1)) + z.max(1)
+        tm = self.train_mask
+        loss = float((lse[tm] - z[tm, y[tm]]).mean())
+        pred = z.argmax(1)
+
+        def acc(m):
+            return float((pred[m] == y[m]).mean()) if m.any() else float("nan")
+        return {"loss": loss, "train_acc": acc(self.train_mask), "val_acc": acc(self.val_mask),
+                "test_acc": acc(self.test_mask)}
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        return {k: self.train_ex.get(k) for k in self.artifact.train_plan.params}
+
+    def set_parameters(self, params: dict[str, np.ndarray]) -> None:
+        for k, v in params.items():
+            self.train_ex.set(k, v)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _fingerprint(self) -> str:
+        return hashlib.sha256(self.artifact.lib_bytes + json.dumps(
+            self.artifact.train_plan.to_json(), sort_keys=True).encode()).hexdigest()
+
+    def save(self, path: str | Path) -> Path:
+        """Write parameters, optimizer state and the step; atomic (temporary file + rename)."""
+        path = Path(path)
+        arrays = {f"param/{k}": v for k, v in self.parameters().items()}
+        arrays.update({f"state/{k}": self.train_ex.get(k) for k in self.artifact.train_plan.state})
+        meta = {"format": CHECKPOINT_FORMAT, "step": self.step_count, "seed": self.seed,
+                "artifact": self._fingerprint()}
+        arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(buf.getvalue())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        return path
+
+    def load(self, path: str | Path) -> None:
+        """Resume from a checkpoint written by ``save`` for the same compiled model."""
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                arrays = {k: z[k] for k in z.files}
+            meta = json.loads(arrays.pop("meta").tobytes())
+        except FileNotFoundError:
+            raise InputError(f"checkpoint {str(path)!r} does not exist") from None
+        except (ValueError, KeyError, OSError, EOFError) as e:
+            raise InputError(f"{str(path)!r} is not a readable gcomp checkpoint: {e}") from None
+        if meta.get("format") != CHECKPOINT_FORMAT:
+            raise InputError(f"{str(path)!r} is not a gcomp checkpoint")
+        if meta.get("artifact") != self._fingerprint():
+            raise InputError(f"checkpoint {str(path)!r} belongs to a different compiled model")
+        for k, v in arrays.items():
+            name = k.split("/", 1)[1]
+            if name not in self.store:
+                raise InputError(f"checkpoint {str(path)!r} holds unknown tensor {name!r}")
+            self.train_ex.set(name, v)
+        self.step_count = int(meta["step"])
+        self.seed = int(meta["seed"])
