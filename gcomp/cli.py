@@ -192,16 +192,21 @@ def cmd_train(args) -> int:
         trainer.load(args.resume)
     progress = _Progress(args.epochs, sys.stderr.isatty() and not args.json)
     times, loss = [], float("nan")
+    best = {"best_val_acc": -1.0}
     for epoch in range(1, args.epochs + 1):
         t = time.perf_counter()
         loss = trainer.step()
-        times.append(time.perf_counter() - t)
+        times.append(time.perf_counter() - t)  # the training step only, not evaluation
         if not np.isfinite(loss):
             progress.close()
             raise GcompError(f"the loss became {loss} at epoch {epoch}; lower --lr")
         show_eval = progress.enabled and (epoch % max(1, args.epochs // 50) == 0 or
                                           epoch == args.epochs)
-        progress.update(epoch, loss, trainer.evaluate() if show_eval else None)
+        ev = trainer.evaluate() if (show_eval or args.best_val) else None
+        if args.best_val and ev["val_acc"] > best["best_val_acc"]:
+            best = {"best_val_acc": ev["val_acc"], "best_test_acc": ev["test_acc"],
+                    "best_epoch": epoch}
+        progress.update(epoch, loss, ev)
         if args.checkpoint and args.save_every and epoch % args.save_every == 0:
             trainer.save(args.checkpoint)
     progress.close()
@@ -216,6 +221,7 @@ def cmd_train(args) -> int:
         "bind_ms": trainer.bind_time_s * 1e3, "compile_s": compile_s,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "step": trainer.step_count,
+        **(best if args.best_val else {}),
     }
     if args.json:
         print(json.dumps(result))
@@ -302,6 +308,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--save-every", type=int, default=0, help="also every K epochs")
     t.add_argument("--resume", default=None, help="start from this checkpoint")
     t.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    t.add_argument("--best-val", action="store_true",
+                   help="evaluate every epoch; also report the test accuracy at the epoch of "
+                        "best validation accuracy (the Planetoid protocol)")
     _training_flags(t)
     t.set_defaults(func=cmd_train)
 

@@ -77,3 +77,33 @@ def pyg_model(model):
             return x
 
     return Net().double()
+
+
+def gcomp_named_tensors(net, model):
+    """{gcomp parameter name: (torch parameter, function mapping it to gcomp's layout)}."""
+    name = model.config["model"]
+    out = {}
+    for i, c in enumerate(net.convs):
+        pre = f"convs.{i}."
+        T = (lambda a: a.T)  # noqa: E731 - torch Linear [out, in] -> gcomp [in, out]
+        same = (lambda a: a)  # noqa: E731
+        if name == "gcn":
+            out[pre + "lin.weight"] = (c.lin.weight, T)
+            out[pre + "bias"] = (c.bias, same)
+        elif name == "graphsage":
+            out[pre + "lin_l.weight"] = (c.lin_l.weight, T)
+            out[pre + "lin_l.bias"] = (c.lin_l.bias, same)
+            out[pre + "lin_r.weight"] = (c.lin_r.weight, T)
+        elif name == "gin":
+            out[pre + "nn.layers.0.weight"] = (c.nn[0].weight, T)
+            out[pre + "nn.layers.0.bias"] = (c.nn[0].bias, same)
+            out[pre + "nn.layers.2.weight"] = (c.nn[2].weight, T)
+            out[pre + "nn.layers.2.bias"] = (c.nn[2].bias, same)
+            out[pre + "eps"] = (c.eps, lambda a: a.reshape(()))
+        elif name == "gat":
+            out[pre + "lin.weight"] = (c.lin.weight, T)
+            heads, ch = c.heads, c.out_channels
+            out[pre + "att_src"] = (c.att_src, lambda a, h=heads, k=ch: a.reshape(h, k))
+            out[pre + "att_dst"] = (c.att_dst, lambda a, h=heads, k=ch: a.reshape(h, k))
+            out[pre + "bias"] = (c.bias, same)
+    return out

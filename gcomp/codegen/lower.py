@@ -308,9 +308,12 @@ class _Lowering:
     def lower_dropout(self, n: Node) -> None:
         x, step = n.inputs
         self.buffer(n)
+        g = x.ty.edge_graph
         spec = KernelSpec.make("dropout", F=int(prod(x.ty.shape[1:])), p=float(n.attrs["p"]),
-                               seed=int(n.attrs["seed"]))
-        self.step(n, spec, [self.arg(x, self.flat2(x)), self.arg(step), self.arg(n, self.flat2(n))])
+                               seed=int(n.attrs["seed"]), edges=g is not None)
+        perm = [{"graph": g, "array": "perm"}] if g is not None else []
+        self.step(n, spec, perm + [self.arg(x, self.flat2(x)), self.arg(step),
+                                   self.arg(n, self.flat2(n))])
 
     def lower_cross_entropy(self, n: Node) -> None:
         z, y, m = n.inputs

@@ -12,8 +12,7 @@ a graph value) or ints.
   they alias (a reshape costs nothing).
 * ``bind_steps`` run once per bound graph, ``steps`` on every run.  A step is
   a kernel name and its arguments: ``{"buf": name, "view": dims?}`` or
-  ``{"graph": name, "array": "indptr" | "indices" | "rows" | "csc_indptr" |
-  "csc_eid" | "origin"}``.
+  ``{"graph": name, "array": <one of GRAPH_ARRAYS>}``.
 * ``params``: parameter names (buffers of the same name); ``consts``: constant
   buffers and their values (a number or a list); ``state``: buffers that live
   as long as the executor, not a graph binding (optimizer moments, step
@@ -29,7 +28,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 PLAN_VERSION = 1
-GRAPH_ARRAYS = ("indptr", "indices", "rows", "csc_indptr", "csc_indices", "csc_eid", "origin")
+GRAPH_ARRAYS = ("indptr", "indices", "rows", "perm", "csc_indptr", "csc_indices", "csc_eid",
+                "origin")
 
 
 @dataclass

@@ -115,6 +115,11 @@ class Trainer:
         return {"loss": loss, "train_acc": acc(self.train_mask), "val_acc": acc(self.val_mask),
                 "test_acc": acc(self.test_mask)}
 
+    def gradients(self) -> dict[str, np.ndarray]:
+        """The gradients computed by the last step (before its update was applied)."""
+        return {k: self._binding.buffers[g].numpy()
+                for k, g in self.artifact.train_plan.grads.items()}
+
     def parameters(self) -> dict[str, np.ndarray]:
         return {k: self.train_ex.get(k) for k in self.artifact.train_plan.params}
 

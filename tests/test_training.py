@@ -1,0 +1,172 @@
+"""Compiled training: gradients equal the interpreter and PyG, Adam and SGD follow torch,
+checkpoints resume exactly, the CLI reports what it promises."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+from conftest import awkward_graph, rel_err
+from test_autodiff import OPS, Fn
+
+import gcomp.models as models
+from gcomp.cli import main
+from gcomp.codegen.optimizer import OptimizerConfig
+from gcomp.compiler import compile_model
+from gcomp.errors import ArtifactError, InputError
+from gcomp.frontend.builder import GraphInput, NodeInput, trace
+from gcomp.ir import RefGraph, interpret
+from gcomp.passes import training_pipeline
+from gcomp.runtime.data import GraphData, load_graph
+from gcomp.runtime.trainer import Trainer
+
+
+def labelled(g: GraphData, C: int, seed=0) -> GraphData:
+    rng = np.random.default_rng(seed)
+    g.y = rng.integers(0, C, g.num_nodes)
+    g.train_mask = rng.random(g.num_nodes) < 0.7
+    g.val_mask = ~g.train_mask
+    g.test_mask = ~g.train_mask
+    return g
+
+
+def compiled_vs_interpreted(model, g, C, seed=0, tol=1e-4):
+    tr = Trainer(compile_model(model, train=True), g, seed=seed)
+    params0 = tr.parameters()
+    loss = tr.step()
+    tg = training_pipeline()(model.graph.copy())
+    inputs = {"x": g.x, "edge_index": RefGraph.from_edge_index(g.edge_index, g.num_nodes),
+              "labels": g.y, "train_mask": tr.train_mask.astype(np.float64),
+              "rng_step": (1 + seed * 1_000_003) % (1 << 31)}
+    outs = interpret(tg, {k: v for k, v in inputs.items() if tg.has(k)}, params0)
+    assert abs(loss - outs[0]) <= tol * abs(outs[0])
+    grads = tr.gradients()
+    for name, ref in zip(tg.meta["grads"], outs[1:]):
+        assert rel_err(grads[name], ref) <= tol, (name, rel_err(grads[name], ref))
+
+
+@pytest.mark.parametrize("name", ["gcn", "sage", "gin", "gat"])
+def test_model_gradients_equal_the_interpreter(name):
+    g = labelled(awkward_graph(num_nodes=70, num_edges=400, num_features=6, seed=3), 3)
+    m = models.build(name, 6, hidden=8, out_channels=3, layers=3, heads=2, dropout=0.3, seed=1)
+    compiled_vs_interpreted(m, g, 3, seed=2)
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_op_gradients_equal_the_interpreter(op):
+    g = labelled(awkward_graph(num_nodes=50, num_edges=250, num_features=4, seed=5), 3)
+    m = trace(Fn(OPS[op], 4), {"x": NodeInput(4), "edge_index": GraphInput()}, seed=5)
+    compiled_vs_interpreted(m, g, 3)
+
+
+def test_sgd_momentum_follows_torch():
+    torch = pytest.importorskip("torch")
+    g = labelled(awkward_graph(num_nodes=40, num_edges=200, num_features=5, seed=1), 3)
+    m = models.build("sage", 5, hidden=6, out_channels=3, layers=2)
+    cfg = OptimizerConfig(name="sgd", lr=0.05, momentum=0.9, weight_decay=1e-3)
+    tr = Trainer(compile_model(m, train=True, optimizer=cfg), g)
+    ref = {k: torch.tensor(v.astype(np.float64), requires_grad=True) for k, v in m.params.items()}
+    opt = torch.optim.SGD(list(ref.values()), lr=0.05, momentum=0.9, weight_decay=1e-3)
+    for _ in range(5):
+        tr.step()
+        for k, v in ref.items():  # feed our gradients to torch's optimizer
+            v.grad = torch.tensor(tr.gradients()[k].astype(np.float64))
+        opt.step()
+        for k, v in tr.parameters().items():
+            assert np.allclose(v, ref[k].detach().numpy(), rtol=1e-5, atol=1e-6), k
+
+
+def test_checkpoint_resume_gives_the_same_losses(tmp_path):
+    g = labelled(awkward_graph(num_nodes=60, num_edges=300, num_features=5, seed=2), 3)
+    m = models.build("gat", 5, hidden=4, out_channels=3, heads=2, dropout=0.5)
+    art = compile_model(m, train=True)
+    a = Trainer(art, g, seed=7)
+    first = [a.step() for _ in range(5)]
+    a.save(tmp_path / "ck.npz")
+    rest = [a.step() for _ in range(5)]
+    b = Trainer(art, g, seed=0)
+    b.load(tmp_path / "ck.npz")
+    assert b.step_count == 5
+    assert [b.step() for _ in range(5)] == rest
+    assert first != rest
+
+
+def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    g = labelled(awkward_graph(num_nodes=30, num_edges=100, num_features=4), 3)
+    tr = Trainer(compile_model(models.build("gcn", 4, hidden=4, out_channels=3), train=True), g)
+    tr.step()
+    path = tmp_path / "ck.npz"
+    tr.save(path)
+    before = path.read_bytes()
+    tr.step()
+
+    def boom(*a):
+        raise OSError("disk full")
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError):
+        tr.save(path)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck.npz"]
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path):
+    g = labelled(awkward_graph(num_nodes=30, num_edges=100, num_features=4), 3)
+    a = Trainer(compile_model(models.build("gcn", 4, hidden=4, out_channels=3), train=True), g)
+    a.save(tmp_path / "a.npz")
+    b = Trainer(compile_model(models.build("gin", 4, hidden=4, out_channels=3), train=True), g)
+    with pytest.raises(InputError, match="different compiled model"):
+        b.load(tmp_path / "a.npz")
+    (tmp_path / "junk.npz").write_bytes(b"junk")
+    with pytest.raises(InputError, match="not a readable gcomp checkpoint"):
+        b.load(tmp_path / "junk.npz")
+
+
+def test_inference_artifact_cannot_train():
+    g = labelled(awkward_graph(num_nodes=30, num_edges=100, num_features=4), 3)
+    with pytest.raises(ArtifactError, match="compiled for inference"):
+        Trainer(compile_model(models.build("gcn", 4, hidden=4, out_channels=3)), g)
+
+
+def test_cli_train_json(capsys, tmp_path):
+    rc = main(["train", "gcn", "--graph", "cora", "--epochs", "3", "--json", "--checkpoint",
+               str(tmp_path / "ck.npz")])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("final_loss", "train_acc", "val_acc", "test_acc", "epoch_ms_median",
+                "peak_rss_mb"):
+        assert isinstance(result[key], float), key
+    assert result["epochs"] == 3 and (tmp_path / "ck.npz").exists()
+    rc = main(["train", "gcn", "--graph", "cora", "--epochs", "2", "--json", "--resume",
+               str(tmp_path / "ck.npz")])
+    assert rc == 0 and json.loads(capsys.readouterr().out.splitlines()[-1])["step"] == 5
+
+
+def test_cli_train_compiled_artifact_and_errors(capsys, tmp_path):
+    art = tmp_path / "gcn.gcomp"
+    assert main(["compile", "gcn", "--in", "1433", "--out", "7", "--train", "--lr", "0.02",
+                 "-o", str(art)]) == 0
+    assert main(["train", str(art), "--graph", "cora", "--epochs", "2"]) == 0
+    p = tmp_path / "nolabels.npz"
+    np.savez(p, edge_index=np.array([[0, 1], [1, 0]]), x=np.ones((2, 3), np.float32))
+    capsys.readouterr()
+    assert main(["train", "gcn", "--graph", str(p), "--epochs", "1"]) == 2
+    assert "no labels" in capsys.readouterr().err
+    inf = tmp_path / "inf.gcomp"
+    assert main(["compile", "gcn", "--in", "1433", "--out", "7", "-o", str(inf)]) == 0
+    assert main(["train", str(inf), "--graph", "cora", "--epochs", "1"]) == 2
+    assert "compiled for inference" in capsys.readouterr().err
+
+
+def test_split_when_the_graph_has_no_masks():
+    g = awkward_graph(num_nodes=100, num_edges=300, num_features=4)
+    g.y = np.random.default_rng(0).integers(0, 3, 100)
+    tr = Trainer(compile_model(models.build("gcn", 4, hidden=4, out_channels=3), train=True), g)
+    assert tr.train_mask.sum() == 60 and tr.val_mask.sum() == 20 and tr.test_mask.sum() == 20
+    assert not (tr.train_mask & tr.val_mask).any()
+
+
+def test_citeseer_unlabelled_nodes_never_count():
+    g = load_graph("citeseer")
+    tr = Trainer(compile_model(models.build("gcn", 3703, hidden=4, out_channels=6), train=True), g)
+    for m in (tr.train_mask, tr.val_mask, tr.test_mask):
+        assert (g.y[m] >= 0).all()
