@@ -10,6 +10,7 @@ from __future__ import annotations
 from tvm import te, tirx
 from tvm.script import tirx as T
 
+from gcomp.codegen.fastmath import fast_exp
 from gcomp.codegen.kernels import definer
 
 
@@ -35,13 +36,13 @@ def _apply(op: str, attrs: dict, args):
     if op == "leaky_relu":
         return tirx.Select(x > _f32(0), x, x * _f32(attrs["alpha"]))
     if op == "elu":
-        return tirx.Select(x > _f32(0), x, _f32(attrs["alpha"]) * (tirx.exp(x) - _f32(1)))
+        return tirx.Select(x > _f32(0), x, _f32(attrs["alpha"]) * (fast_exp(x) - _f32(1)))
     if op == "exp":
-        return tirx.exp(x)
+        return fast_exp(x)
     if op == "log":
         return tirx.log(x)
     if op == "sigmoid":
-        return tirx.sigmoid(x)
+        return _f32(1) / (_f32(1) + fast_exp(-x))
     if op == "tanh":
         return tirx.tanh(x)
     if op == "neg":
@@ -131,12 +132,12 @@ def softmax(shape: tuple, log: bool):
     r1 = te.reduce_axis((0, last), name="r1")
     r2 = te.reduce_axis((0, last), name="r2")
     mx = te.compute(full[:-1], lambda *i: te.max(x[i + (r1,)], axis=r1), name="rowmax")
-    sm = te.compute(full[:-1], lambda *i: te.sum(tirx.exp(x[i + (r2,)] - mx[i]), axis=r2),
+    sm = te.compute(full[:-1], lambda *i: te.sum(fast_exp(x[i + (r2,)] - mx[i]), axis=r2),
                     name="rowsum")
     if log:
         out = te.compute(full, lambda *i: x[i] - mx[i[:-1]] - tirx.log(sm[i[:-1]]), name="softmax")
     else:
-        out = te.compute(full, lambda *i: tirx.exp(x[i] - mx[i[:-1]]) / sm[i[:-1]], name="softmax")
+        out = te.compute(full, lambda *i: fast_exp(x[i] - mx[i[:-1]]) / sm[i[:-1]], name="softmax")
     return te.create_prim_func([x, out])
 
 
@@ -178,13 +179,13 @@ def _grad_expr(op: str, wrt: int, attrs: dict, dy, xs):
     elif op == "leaky_relu":
         d = tirx.Select(x > zero, one, _f32(attrs["alpha"]))
     elif op == "elu":
-        d = tirx.Select(x > zero, one, _f32(attrs["alpha"]) * tirx.exp(tirx.min(x, zero)))
+        d = tirx.Select(x > zero, one, _f32(attrs["alpha"]) * fast_exp(tirx.min(x, zero)))
     elif op == "exp":
-        d = tirx.exp(x)
+        d = fast_exp(x)
     elif op == "log":
         d = one / x
     elif op == "sigmoid":
-        s = tirx.sigmoid(x)
+        s = _f32(1) / (_f32(1) + fast_exp(-x))
         d = s * (one - s)
     elif op == "tanh":
         t = tirx.tanh(x)
@@ -289,89 +290,85 @@ def matmul_tn(K: int, M: int):
     return k
 
 
+@definer("colsum")
+def colsum(F: int):
+    """out[f] = sum_i x[i, f] over the symbolic rows (bias gradients): CHUNKS parallel
+    partial sums, then their sum; deterministic, no atomics."""
+    P = CHUNKS
+
+    @T.prim_func(s_tir=True)
+    def k(x_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        x = T.match_buffer(x_h, (n, F), "float32", align=4)
+        out = T.match_buffer(out_h, (F,), "float32", align=4)
+        part = T.sblock_alloc_buffer((P, F), "float32")
+        for p, f in T.grid(P, F):
+            with T.sblock("part"):
+                vp, vf = T.axis.remap("SS", [p, f])
+                T.reads(x[0:n, vf])
+                T.writes(part[vp, vf])
+                part[vp, vf] = T.float32(0)
+                for i in range(vp * n // P, (vp + 1) * n // P):
+                    part[vp, vf] = part[vp, vf] + x[i, vf]
+        for f in range(F):
+            with T.sblock("sum"):
+                vf = T.axis.remap("S", [f])
+                out[vf] = T.float32(0)
+                for q in range(P):
+                    out[vf] = out[vf] + part[q, vf]
+    return k
+
+
+def _softmax_stats(z, C: int, n):
+    """Per-row max, exp(z - max) and the sum of exps (TE; the exps vectorize over classes)."""
+    r1 = te.reduce_axis((0, C), name="r1")
+    r2 = te.reduce_axis((0, C), name="r2")
+    mx = te.compute((n,), lambda i: te.max(z[i, r1], axis=r1), name="rowmax")
+    ex = te.compute((n, C), lambda i, c: fast_exp(z[i, c] - mx[i]), name="exp")
+    sm = te.compute((n,), lambda i: te.sum(ex[i, r2], axis=r2), name="rowsum")
+    return mx, ex, sm
+
+
+def _valid(m, y, i):
+    return tirx.all(m[i] != _f32(0), y[i] >= 0)
+
+
 @definer("cross_entropy")
 def cross_entropy(C: int):
     """loss = sum_i m_i * (logsumexp(z_i) - z_i[y_i]) / sum_i m_i (rows with y < 0 skipped)."""
-
-    @T.prim_func(s_tir=True)
-    def k(z_h: T.handle, y_h: T.handle, m_h: T.handle, out_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        n = T.int64()
-        z = T.match_buffer(z_h, (n, C), "float32", align=4)
-        y = T.match_buffer(y_h, (n,), "int32", align=4)
-        m = T.match_buffer(m_h, (n,), "float32", align=4)
-        out = T.match_buffer(out_h, (), "float32", align=4)
-        rowloss = T.sblock_alloc_buffer((n,), "float32")
-        for i in range(n):
-            with T.sblock("row"):
-                vi = T.axis.remap("S", [i])
-                T.reads(z[vi, 0:C], y[vi], m[vi])
-                T.writes(rowloss[vi])
-                mx = T.alloc_buffer((1,), "float32", scope="local")
-                sm = T.alloc_buffer((1,), "float32", scope="local")
-                mx[0] = z[vi, 0]
-                for c in range(1, C):
-                    mx[0] = T.max(mx[0], z[vi, c])
-                sm[0] = T.float32(0)
-                for c in range(C):
-                    sm[0] = sm[0] + T.exp(z[vi, c] - mx[0])
-                rowloss[vi] = T.Select(
-                    m[vi] != T.float32(0) and y[vi] >= 0,
-                    m[vi] * (mx[0] + T.log(sm[0]) - z[vi, T.max(y[vi], 0)]), T.float32(0))
-        with T.sblock("total"):
-            T.reads(rowloss[0:n], m[0:n])
-            T.writes(out[()])
-            acc = T.alloc_buffer((2,), "float32", scope="local")
-            acc[0] = T.float32(0)
-            acc[1] = T.float32(0)
-            for i in range(n):
-                acc[0] = acc[0] + rowloss[i]
-                acc[1] = acc[1] + m[i]
-            out[()] = acc[0] / acc[1]
-    return k
+    n = tirx.Var("n", "int64")
+    z = te.placeholder((n, C), "float32", name="z")
+    y = te.placeholder((n,), "int32", name="y")
+    m = te.placeholder((n,), "float32", name="m")
+    mx, ex, sm = _softmax_stats(z, C, n)
+    row = te.compute((n,), lambda i: tirx.Select(
+        _valid(m, y, i), m[i] * (mx[i] + tirx.log(sm[i]) - z[i, tirx.max(y[i], 0)]), _f32(0)),
+        name="row")
+    r = te.reduce_axis((0, n), name="r")
+    total = te.compute((), lambda: te.sum(row[r], axis=r), name="total")
+    q = te.reduce_axis((0, n), name="q")
+    count = te.compute((), lambda: te.sum(m[q], axis=q), name="count")
+    out = te.compute((), lambda: total[()] / count[()], name="loss")
+    return te.create_prim_func([z, y, m, out])
 
 
 @definer("cross_entropy_grad")
 def cross_entropy_grad(C: int):
     """dz = dy * (softmax(z) - onehot(y)) * m / sum(m)."""
-
-    @T.prim_func(s_tir=True)
-    def k(dy_h: T.handle, z_h: T.handle, y_h: T.handle, m_h: T.handle, out_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        n = T.int64()
-        dy = T.match_buffer(dy_h, (), "float32", align=4)
-        z = T.match_buffer(z_h, (n, C), "float32", align=4)
-        y = T.match_buffer(y_h, (n,), "int32", align=4)
-        m = T.match_buffer(m_h, (n,), "float32", align=4)
-        out = T.match_buffer(out_h, (n, C), "float32", align=4)
-        scale = T.sblock_alloc_buffer((1,), "float32")
-        with T.sblock("count"):
-            T.reads(m[0:n], dy[()])
-            T.writes(scale[0])
-            scale[0] = T.float32(0)
-            for i in range(n):
-                scale[0] = scale[0] + m[i]
-            scale[0] = dy[()] / scale[0]
-        for i in range(n):
-            with T.sblock("row"):
-                vi = T.axis.remap("S", [i])
-                T.reads(z[vi, 0:C], y[vi], m[vi], scale[0])
-                T.writes(out[vi, 0:C])
-                mx = T.alloc_buffer((1,), "float32", scope="local")
-                sm = T.alloc_buffer((1,), "float32", scope="local")
-                mx[0] = z[vi, 0]
-                for c in range(1, C):
-                    mx[0] = T.max(mx[0], z[vi, c])
-                sm[0] = T.float32(0)
-                for c in range(C):
-                    sm[0] = sm[0] + T.exp(z[vi, c] - mx[0])
-                for c in range(C):
-                    out[vi, c] = T.Select(
-                        m[vi] != T.float32(0) and y[vi] >= 0,
-                        (T.exp(z[vi, c] - mx[0]) / sm[0]
-                         - T.Select(y[vi] == c, T.float32(1), T.float32(0))) * m[vi] * scale[0],
-                        T.float32(0))
-    return k
+    n = tirx.Var("n", "int64")
+    dy = te.placeholder((), "float32", name="dy")
+    z = te.placeholder((n, C), "float32", name="z")
+    y = te.placeholder((n,), "int32", name="y")
+    m = te.placeholder((n,), "float32", name="m")
+    q = te.reduce_axis((0, n), name="q")
+    count = te.compute((), lambda: te.sum(m[q], axis=q), name="count")
+    mx, ex, sm = _softmax_stats(z, C, n)
+    out = te.compute((n, C), lambda i, c: tirx.Select(
+        _valid(m, y, i),
+        (ex[i, c] / sm[i] - tirx.Select(y[i] == c, _f32(1), _f32(0))) * m[i] * dy[()]
+        / count[()], _f32(0)), name="row")
+    return te.create_prim_func([dy, z, y, m, out])
 
 
 def _adam_moment(g, p, m, beta, wd, square: bool):

@@ -68,7 +68,8 @@ class _Lowering:
         self.specs[spec.name] = spec
         phase = n.meta.get("phase", "run")
         (self.plan.bind_steps if phase == "bind" else self.plan.steps).append(
-            {"kernel": spec.name, "args": args, "node": n.name})
+            {"kernel": spec.name, "args": args, "node": n.name, "op": n.op.value,
+             "attrs": {k: v for k, v in n.attrs.items() if isinstance(v, (str, int, float))}})
 
     @staticmethod
     def lead(n: Node) -> str:
@@ -260,6 +261,12 @@ class _Lowering:
         x = n.inputs[0]
         self.buffer(n)
         axis = n.attrs["axis"] % x.ty.rank
+        if (axis == 0 and n.op == Op.SUM and not n.attrs["keepdims"] and x.ty.rank >= 2
+                and not isinstance(x.ty.shape[0], int)):  # column sums over nodes or edges
+            F = int(prod(x.ty.shape[1:]))
+            self.step(n, KernelSpec.make("colsum", F=F), [self.arg(x, self.flat2(x)),
+                                                          self.arg(n, [F])])
+            return
         spec = KernelSpec.make("reduce", op=n.op.value, shape=_spec_shape(x.ty), axis=axis,
                                keepdims=bool(n.attrs["keepdims"]))
         self.step(n, spec, [self.arg(x), self.arg(n)])

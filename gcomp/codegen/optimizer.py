@@ -70,4 +70,5 @@ def add_optimizer(plan: Plan, specs: dict, cfg: OptimizerConfig) -> None:
         args = [{"buf": p, "view": flat}, {"buf": g, "view": flat}]
         args += [{"buf": n, "view": flat} for n in names]
         args += [{"buf": HPARAMS}, {"buf": STEP}]
-        plan.steps.append({"kernel": spec.name, "args": args, "node": f"{cfg.name}.{p}"})
+        plan.steps.append({"kernel": spec.name, "args": args, "node": f"{cfg.name}.{p}",
+                           "op": "optimizer", "attrs": {"param": p}})

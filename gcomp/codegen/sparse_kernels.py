@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from gcomp.codegen.fastmath import fast_exp
 from gcomp.codegen.kernels import definer
 from gcomp.ir import rng
 
@@ -151,22 +152,23 @@ def edge_softmax(H: int):
         indptr = T.match_buffer(indptr_h, (n1,), "int64", align=4)
         e = T.match_buffer(e_h, (nnz, H), "float32", align=4)
         out = T.match_buffer(out_h, (nnz, H), "float32", align=4)
+        # per-row max and sum: function-level scratch (a local buffer in the parallel row
+        # loop would be allocated per row)
+        stat = T.sblock_alloc_buffer((n1, H, 2), "float32")
         for i, h in T.grid(n1 - 1, H):
             with T.sblock("row"):
                 vi, vh = T.axis.remap("SS", [i, h])
                 T.reads(indptr[vi:vi + 2], e[0:nnz, vh])
-                T.writes(out[0:nnz, vh])
-                mx = T.alloc_buffer((1,), "float32", scope="local")
-                sm = T.alloc_buffer((1,), "float32", scope="local")
-                mx[0] = T.float32(NEG_INF)
+                T.writes(out[0:nnz, vh], stat[vi, vh, 0:2])
+                stat[vi, vh, 0] = T.float32(NEG_INF)
                 for j in range(indptr[vi], indptr[vi + 1]):
-                    mx[0] = T.max(mx[0], e[j, vh])
-                sm[0] = T.float32(0)
+                    stat[vi, vh, 0] = T.max(stat[vi, vh, 0], e[j, vh])
+                stat[vi, vh, 1] = T.float32(0)
                 for j in range(indptr[vi], indptr[vi + 1]):
-                    out[j, vh] = T.exp(e[j, vh] - mx[0])
-                    sm[0] = sm[0] + out[j, vh]
+                    out[j, vh] = fast_exp(e[j, vh] - stat[vi, vh, 0])
+                    stat[vi, vh, 1] = stat[vi, vh, 1] + out[j, vh]
                 for j in range(indptr[vi], indptr[vi + 1]):
-                    out[j, vh] = out[j, vh] / sm[0]
+                    out[j, vh] = out[j, vh] / stat[vi, vh, 1]
     return k
 
 
@@ -378,17 +380,17 @@ def argmax_rows(F: int, gathered: bool):
             indices = T.match_buffer(indices_h, (nnz,), "int32", align=4)
             x = T.match_buffer(x_h, (m, F), "float32", align=4)
             out = T.match_buffer(out_h, (n, F), "int32", align=4)
+            best = T.sblock_alloc_buffer((n, F), "float32")  # scratch (see edge_softmax)
             for i, f in T.grid(n, F):
                 with T.sblock("row"):
                     vi, vf = T.axis.remap("SS", [i, f])
                     T.reads(indptr[vi:vi + 2], indices[0:nnz], x[0:m, vf])
-                    T.writes(out[vi, vf])
-                    best = T.alloc_buffer((1,), "float32", scope="local")
-                    best[0] = T.float32(NEG_INF)
+                    T.writes(out[vi, vf], best[vi, vf])
+                    best[vi, vf] = T.float32(NEG_INF)
                     out[vi, vf] = -1
                     for j in range(indptr[vi], indptr[vi + 1]):
-                        if x[indices[j], vf] > best[0]:
-                            best[0] = x[indices[j], vf]
+                        if x[indices[j], vf] > best[vi, vf]:
+                            best[vi, vf] = x[indices[j], vf]
                             out[vi, vf] = T.Cast("int32", j)
         return kg
 
@@ -399,17 +401,17 @@ def argmax_rows(F: int, gathered: bool):
         indptr = T.match_buffer(indptr_h, (n + 1,), "int64", align=4)
         e = T.match_buffer(e_h, (nnz, F), "float32", align=4)
         out = T.match_buffer(out_h, (n, F), "int32", align=4)
+        best = T.sblock_alloc_buffer((n, F), "float32")  # scratch (see edge_softmax)
         for i, f in T.grid(n, F):
             with T.sblock("row"):
                 vi, vf = T.axis.remap("SS", [i, f])
                 T.reads(indptr[vi:vi + 2], e[0:nnz, vf])
-                T.writes(out[vi, vf])
-                best = T.alloc_buffer((1,), "float32", scope="local")
-                best[0] = T.float32(NEG_INF)
+                T.writes(out[vi, vf], best[vi, vf])
+                best[vi, vf] = T.float32(NEG_INF)
                 out[vi, vf] = -1
                 for j in range(indptr[vi], indptr[vi + 1]):
-                    if e[j, vf] > best[0]:
-                        best[0] = e[j, vf]
+                    if e[j, vf] > best[vi, vf]:
+                        best[vi, vf] = e[j, vf]
                         out[vi, vf] = T.Cast("int32", j)
     return ke
 

@@ -11,7 +11,9 @@ a graph value) or ints.
 * ``buffers``: every tensor the plan touches: dims and, for views, the buffer
   they alias (a reshape costs nothing).
 * ``bind_steps`` run once per bound graph, ``steps`` on every run.  A step is
-  a kernel name and its arguments: ``{"buf": name, "view": dims?}`` or
+  a kernel name, the IR node and op it implements (``node``, ``op``, ``attrs``:
+  for the distributed runtime and profiling), and its arguments:
+  ``{"buf": name, "view": dims?}`` or
   ``{"graph": name, "array": <one of GRAPH_ARRAYS>}``.
 * ``params``: parameter names (buffers of the same name); ``consts``: constant
   buffers and their values (a number or a list); ``state``: buffers that live

@@ -61,7 +61,12 @@ def schedule(sch, spec) -> None:
     elif kind in ("edge_dot", "argmax_rows"):  # local accumulators: rows in parallel only
         sch.parallel(sch.get_loops(sch.get_sblock("row"))[0])
     elif kind in ("cross_entropy", "cross_entropy_grad"):
-        sch.parallel(sch.get_loops(sch.get_sblock("row"))[0])
+        _softmax_rows(sch, p["C"])
+    elif kind == "colsum":
+        blk = sch.get_sblock("part")
+        p_loop, f_loop = sch.get_loops(blk)
+        sch.parallel(p_loop)
+        _vector_split(sch, f_loop, spec.p["F"])
     elif kind == "matmul_tn":
         sch.parallel(sch.get_loops(sch.get_sblock("part"))[0])
     elif kind in ("adam", "sgd"):
@@ -150,3 +155,16 @@ def _flat_update(sch, block: str, size: int) -> None:
     sch.vectorize(inner)
     if size >= 1 << 14:
         sch.parallel(outer)
+
+
+def _softmax_rows(sch, C: int) -> None:
+    """Loss kernels: per row, max and sum stay scalars, the exps vectorize over classes."""
+    row = sch.get_sblock("row")
+    i = sch.get_loops(row)[0]
+    for name in ("rowsum", "exp", "rowmax"):
+        sch.compute_at(sch.get_sblock(name), i)
+    _vector_split(sch, sch.get_loops(sch.get_sblock("exp"))[-1], C)
+    loops = sch.get_loops(row)
+    if len(loops) > 1:
+        _vector_split(sch, loops[-1], C)
+    sch.parallel(i)
