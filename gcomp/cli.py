@@ -4,6 +4,7 @@
     gcomp run ART --graph GRAPH --out Y.npy [--features X.npy]
     gcomp train MODEL --graph GRAPH --epochs N [--lr --weight-decay --dropout --seed ...] [--json]
     gcomp info ART [--json]
+    gcomp opt FILE.ir [--passes P1,P2]      (pass debugging: replay a reproducer)
 
 User errors print one line on stderr and exit with code 2 (``--debug`` shows
 the traceback).  Commands that only run artifacts import no compiler code, so
@@ -92,12 +93,79 @@ def cmd_compile(args) -> int:
                              "it (use --force)")
     t0 = time.perf_counter()
     model = _model_from_args(args)
-    art = compile_model(model, args.target, mcpu=args.mcpu, train=args.train,
+    ctx, timing = _pass_context(args)
+    art = compile_model(model, args.target, mcpu=args.mcpu, train=args.train, ctx=ctx,
                         optimizer=_optimizer_from_args(args) if args.train else None)
     art.save(out)
     dt = time.perf_counter() - t0
+    if timing is not None:
+        print(timing.render(), file=sys.stderr)
     print(f"compiled {model.name} for {args.target} in {dt:.2f} s: {len(art.plan.kernels())} "
           f"kernels, {art.info()['num_parameters']} parameters -> {out}", file=sys.stderr)
+    return 0
+
+
+def _pass_context(args):
+    """The pass context that the pass-debugging flags ask for (and the timing instrument)."""
+    from gcomp.debug import DumpIR, PassTiming, PrintAfter, PrintAfterChange, Reproducer
+    from gcomp.passes import PASSES, PassContext
+
+    for name in list(args.print_after or []) + list(args.disable_pass or []):
+        if name not in PASSES:
+            raise GcompError(f"unknown pass {name!r}; passes: {', '.join(sorted(PASSES))}")
+    instruments = []
+    if args.print_after_all:
+        instruments.append(PrintAfter(stream=sys.stdout))
+    elif args.print_after:
+        instruments.append(PrintAfter(set(args.print_after), stream=sys.stdout))
+    if args.print_after_change:
+        instruments.append(PrintAfterChange(stream=sys.stdout))
+    if args.dump_ir:
+        instruments.append(DumpIR(args.dump_ir))
+    if args.reproducer:
+        instruments.append(Reproducer(args.reproducer))
+    timing = PassTiming() if args.timing else None
+    if timing:
+        instruments.append(timing)
+    ctx = PassContext(target=args.target, instruments=instruments,
+                      disabled=frozenset(args.disable_pass or ()))
+    return ctx, timing
+
+
+def _pass_flags(p) -> None:
+    p.add_argument("--print-after-all", action="store_true", help="print the IR after every pass")
+    p.add_argument("--print-after", action="append", metavar="PASS",
+                   help="print the IR after PASS (repeatable)")
+    p.add_argument("--print-after-change", action="store_true",
+                   help="print the IR after each pass that changed it")
+    p.add_argument("--disable-pass", action="append", metavar="PASS", help="skip PASS (repeatable)")
+    p.add_argument("--dump-ir", metavar="DIR", help="write numbered IR files after every pass")
+    p.add_argument("--timing", action="store_true", help="print a per-pass timing table")
+    p.add_argument("--reproducer", metavar="DIR",
+                   help="when a pass fails, write its input IR and a replay command here")
+
+
+# ---------------------------------------------------------------------- opt
+def cmd_opt(args) -> int:
+    """Run passes on an IR file (a reproducer or a printed graph) and print the result."""
+    from pathlib import Path as _P
+
+    from gcomp.debug.instruments import parse_pipeline, replay
+    from gcomp.ir.parser import parse_graph
+    from gcomp.ir.printer import print_graph
+    from gcomp.passes import PassManager
+
+    path = _P(args.file)
+    if not path.exists():
+        raise GcompError(f"IR file {args.file!r} does not exist")
+    if args.passes is None:
+        graph = replay(path)
+    else:
+        ctx, timing = _pass_context(args)
+        graph = PassManager(parse_pipeline(args.passes))(parse_graph(path.read_text()), ctx)
+        if timing is not None:
+            print(timing.render(), file=sys.stderr)
+    print(print_graph(graph, show_meta=args.show_meta), end="")
     return 0
 
 
@@ -291,7 +359,17 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--train", action="store_true",
                    help="also compile a training step (forward, loss, backward, optimizer)")
     _training_flags(c)
+    _pass_flags(c)
     c.set_defaults(func=cmd_compile)
+
+    o = sub.add_parser("opt", help="run passes on an IR file (replays reproducers)")
+    o.add_argument("file", help="IR text (gcomp's printed form)")
+    o.add_argument("--passes", default=None,
+                   help="comma-separated pass names (default: the reproducer header's)")
+    o.add_argument("--show-meta", action="store_true", help="print analysis results too")
+    o.add_argument("-t", "--target", default="llvm")
+    _pass_flags(o)
+    o.set_defaults(func=cmd_opt)
 
     t = sub.add_parser("train", help="train a model on a graph")
     t.add_argument("model", help="bundled model (gcn, sage, gin, gat) or a --train artifact")

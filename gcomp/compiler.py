@@ -16,6 +16,7 @@ from collections import Counter
 from gcomp.codegen.build import build_library, make_target
 from gcomp.codegen.lower import lower
 from gcomp.codegen.optimizer import OptimizerConfig, add_optimizer
+from gcomp.errors import CompileError
 from gcomp.ir.printer import print_graph
 from gcomp.model import Model
 from gcomp.passes import PassContext, default_pipeline, training_pipeline
@@ -39,6 +40,9 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
     if train:
         opt = optimizer or OptimizerConfig()
         tgraph = training_pipeline()(model.graph.copy(), ctx)
+        if "grads" not in tgraph.meta:
+            raise CompileError("training needs the add_loss and autodiff passes; do not "
+                               "disable them")
         train_plan, tspecs = lower(tgraph)
         train_plan.loss = tgraph.outputs[0].name
         train_plan.grads = dict(tgraph.meta["grads"])

@@ -6,26 +6,32 @@
       return %h
     }
 
-Attributes print as ``key=<JSON>`` in the op's declared order, so equal graphs
-print equal text and printed text can serve as a test fixture.
+Attributes print as ``key=<JSON>`` in the op's declared order, leaving out those
+at their default value, so equal graphs print equal text and printed text can
+serve as a test fixture.
 """
 
 from __future__ import annotations
 
 import json
 
-from gcomp.ir.ops import Op
+from gcomp.ir.ops import OPS, Op
 
 
-def format_attrs(attrs: dict) -> str:
-    if not attrs:
+def format_attrs(attrs: dict, op: Op | None = None) -> str:
+    """``[k=v, ...]``; attributes at their default value are left out (the parser fills them)."""
+    spec = OPS[op].attrs if op is not None else {}
+    shown = {k: v for k, v in attrs.items()
+             if not (k in spec and not spec[k].required and v == spec[k].default
+                     and type(v) is type(spec[k].default))}
+    if not shown:
         return ""
-    return "[" + ", ".join(f"{k}={json.dumps(v)}" for k, v in attrs.items()) + "]"
+    return "[" + ", ".join(f"{k}={json.dumps(v)}" for k, v in shown.items()) + "]"
 
 
 def format_node(n, show_meta: bool = False) -> str:
     args = ", ".join(f"%{i.name}" for i in n.inputs)
-    text = f"%{n.name} = {n.op.value}{format_attrs(n.attrs)}"
+    text = f"%{n.name} = {n.op.value}{format_attrs(n.attrs, n.op)}"
     if n.inputs:
         text += f"({args})"
     text += f" : {n.ty}"

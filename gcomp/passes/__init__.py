@@ -3,6 +3,7 @@
 from gcomp.passes.add_loss import AddLoss
 from gcomp.passes.autodiff import Autodiff
 from gcomp.passes.canonicalize import Canonicalize
+from gcomp.passes.cse import CommonSubexprElimination
 from gcomp.passes.dce import DeadCodeElimination
 from gcomp.passes.eval_mode import EvalMode
 from gcomp.passes.fuse_aggregate import FuseAggregate
@@ -10,11 +11,16 @@ from gcomp.passes.hoist_graph_static import HoistGraphStatic
 from gcomp.passes.manager import Instrument, Pass, PassContext, PassError, PassManager
 
 
+PASSES = {p.name: p for p in (EvalMode, Canonicalize, CommonSubexprElimination, FuseAggregate,
+                              DeadCodeElimination, HoistGraphStatic, AddLoss, Autodiff)}
+
+
 def default_pipeline() -> PassManager:
     """The inference pipeline, top to bottom."""
     return PassManager([
         EvalMode(),            # dropout is the identity at inference
         Canonicalize(),        # bias adds, folded constants, single reshapes
+        CommonSubexprElimination(),  # e.g. one self-loop graph and norm for all GCN layers
         FuseAggregate(),       # gather -> edge-wise -> scatter becomes sparse aggregation
         DeadCodeElimination(), # drop what fusion left behind
         HoistGraphStatic(),    # degrees and norms: once per bound graph
@@ -26,6 +32,7 @@ def training_pipeline() -> PassManager:
     return PassManager([
         AddLoss(),             # masked cross-entropy of the logits
         Canonicalize(),
+        CommonSubexprElimination(),
         FuseAggregate(),       # before autodiff: the backward of a fused aggregation is fused
         Autodiff(),            # reverse mode: outputs become [loss, gradients]
         DeadCodeElimination(),
@@ -33,5 +40,5 @@ def training_pipeline() -> PassManager:
     ])
 
 
-__all__ = ["training_pipeline", "AddLoss", "Autodiff", "EvalMode", "Pass", "PassContext", "PassManager", "PassError", "Instrument", "default_pipeline",
-           "Canonicalize", "FuseAggregate", "DeadCodeElimination", "HoistGraphStatic"]
+__all__ = ["PASSES", "training_pipeline", "AddLoss", "Autodiff", "EvalMode", "Pass", "PassContext", "PassManager", "PassError", "Instrument", "default_pipeline",
+           "Canonicalize", "CommonSubexprElimination", "FuseAggregate", "DeadCodeElimination", "HoistGraphStatic"]

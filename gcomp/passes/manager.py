@@ -76,10 +76,12 @@ class PassManager:
 
     def __call__(self, graph: Graph, ctx: PassContext | None = None) -> Graph:
         ctx = ctx or PassContext()
-        unknown = set(ctx.disabled) - set(self.pipeline)
+        from gcomp.passes import PASSES  # the registry of every pass, by name
+        known = set(PASSES) | set(self.pipeline)
+        unknown = set(ctx.disabled) - known
         if unknown:
             raise GcompError(f"cannot disable unknown pass(es) {', '.join(sorted(unknown))}; "
-                             f"passes: {', '.join(self.pipeline)}")
+                             f"passes: {', '.join(sorted(known))}")
         ran: list[str] = []
         for p in self.passes:
             if p.name in ctx.disabled or not all(i.should_run(p, graph) for i in ctx.instruments):

@@ -1,0 +1,138 @@
+"""Instruments for the pass manager (TVM's ``PassInstrument`` hooks, MLIR's options).
+
+    ctx = PassContext(instruments=[PrintAfter(), PassTiming(), DumpIR("ir/"),
+                                   Reproducer("repro/")], disabled={"fuse_aggregate"})
+    art = compile_model(model, ctx=ctx)
+
+* ``PrintAfter(passes=None)``: the IR after every pass (or only the named ones).
+* ``PrintAfterChange()``: the IR after each pass that changed it (printed text compared).
+* ``DumpIR(dir)``: numbered files ``00_input.ir``, ``01_canonicalize.ir``, ...
+* ``PassTiming()``: wall time per pass; ``render()`` gives the table.
+* ``Reproducer(dir)``: when a pass fails, writes its input IR with the pipeline in a
+  header; ``gcomp opt FILE`` (or ``replay(path)``) runs it again.
+Verification after every pass is the pass context's ``verify_each`` (on by default).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from pathlib import Path
+
+from gcomp.errors import GcompError
+from gcomp.ir.graph import Graph
+from gcomp.ir.parser import parse_graph
+from gcomp.ir.printer import print_graph
+from gcomp.passes.manager import Instrument, Pass
+
+REPRO_HEADER = "# gcomp reproducer: gcomp opt {file} --passes {passes}"
+
+
+class PrintAfter(Instrument):
+    def __init__(self, passes: set[str] | None = None, stream=None, show_meta: bool = False):
+        self.passes = set(passes) if passes else None
+        self.stream = stream
+        self.show_meta = show_meta
+
+    def run_after_pass(self, p: Pass, graph: Graph, changed: bool) -> None:
+        if self.passes is None or p.name in self.passes:
+            out = self.stream or sys.stderr
+            out.write(f"// ----- IR after {p.name}{'' if changed else ' (unchanged)'} -----\n")
+            out.write(print_graph(graph, show_meta=self.show_meta))
+
+
+class PrintAfterChange(Instrument):
+    def __init__(self, stream=None):
+        self.stream = stream
+        self._before: str | None = None
+
+    def run_before_pass(self, p: Pass, graph: Graph) -> None:
+        self._before = print_graph(graph)
+
+    def run_after_pass(self, p: Pass, graph: Graph, changed: bool) -> None:
+        text = print_graph(graph)
+        if text != self._before:
+            out = self.stream or sys.stderr
+            out.write(f"// ----- IR after {p.name} (changed) -----\n{text}")
+
+
+class DumpIR(Instrument):
+    def __init__(self, directory: str | Path, prefix: str = ""):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.prefix = prefix
+        self.index = 0
+
+    def _write(self, name: str, graph: Graph) -> None:
+        path = self.dir / f"{self.prefix}{self.index:02d}_{name}.ir"
+        path.write_text(print_graph(graph, show_meta=True))
+        self.index += 1
+
+    def run_before_pass(self, p: Pass, graph: Graph) -> None:
+        if self.index == 0:
+            self._write("input", graph)
+
+    def run_after_pass(self, p: Pass, graph: Graph, changed: bool) -> None:
+        self._write(p.name, graph)
+
+
+class PassTiming(Instrument):
+    def __init__(self):
+        self.times: list[tuple[str, float, bool]] = []
+        self._t0 = 0.0
+
+    def run_before_pass(self, p: Pass, graph: Graph) -> None:
+        self._t0 = time.perf_counter()
+
+    def run_after_pass(self, p: Pass, graph: Graph, changed: bool) -> None:
+        self.times.append((p.name, time.perf_counter() - self._t0, changed))
+
+    def render(self) -> str:
+        total = sum(t for _, t, _ in self.times) or 1e-12
+        rows = [f"{'pass':<24} {'ms':>9} {'%':>6}  changed"]
+        for name, t, changed in self.times:
+            rows.append(f"{name:<24} {t * 1e3:>9.3f} {100 * t / total:>6.1f}  {'yes' if changed else 'no'}")
+        rows.append(f"{'total':<24} {total * 1e3:>9.3f}")
+        return "\n".join(rows)
+
+
+class Reproducer(Instrument):
+    """On a pass failure, write the failing pass's input IR and the pipeline to replay it."""
+
+    def __init__(self, directory: str | Path):
+        self.dir = Path(directory)
+        self.path: Path | None = None
+
+    def run_on_failure(self, p: Pass, graph_before: Graph, error: BaseException,
+                       pipeline: list[str]) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / f"repro_{p.name}.ir"
+        header = REPRO_HEADER.format(file=self.path, passes=p.name)
+        msg = str(error).splitlines()[0] if str(error) else type(error).__name__
+        self.path.write_text(f"{header}\n# pipeline before it: {','.join(pipeline[:-1])}\n"
+                             f"# error: {msg}\n{print_graph(graph_before)}")
+
+
+def parse_pipeline(text: str) -> list[Pass]:
+    """``"canonicalize,fuse_aggregate"`` -> pass instances (see ``gcomp.passes.PASSES``)."""
+    from gcomp.passes import PASSES
+    passes = []
+    for name in filter(None, (t.strip() for t in text.split(","))):
+        if name not in PASSES:
+            raise GcompError(f"unknown pass {name!r}; passes: {', '.join(sorted(PASSES))}")
+        passes.append(PASSES[name]())
+    return passes
+
+
+def replay(path: str | Path, passes: str | None = None):
+    """Parse an IR file (e.g. a reproducer) and run ``passes`` on it (default: its header's)."""
+    from gcomp.passes import PassManager
+    text = Path(path).read_text()
+    if passes is None:
+        m = re.search(r"--passes (\S+)", text)
+        if not m:
+            raise GcompError(f"{path}: no --passes given and no reproducer header")
+        passes = m.group(1)
+    graph = parse_graph(text)
+    return PassManager(parse_pipeline(passes))(graph)
