@@ -153,3 +153,39 @@ def test_disabling_an_unknown_pass_is_an_error():
     g = parse_graph("graph t(%x: f32[N,4]) {\n  %y = relu(%x) : f32[N,4]\n  return %y\n}")
     with pytest.raises(GcompError, match="unknown pass"):
         PassManager([DeadCodeElimination()])(g, PassContext(disabled=frozenset({"fusion"})))
+
+
+def test_fuse_epilogues_groups_bias_and_activation():
+    from gcomp.passes import FuseEpilogues
+    text = """graph t(%x: f32[N,4], %g: graph<coo>) {
+  %b = param[init="zeros"] : f32[4]
+  %a = aggregate(%g, %x) : f32[N,4]
+  %c = bias_add(%a, %b) : f32[N,4]
+  %r = relu(%c) : f32[N,4]
+  %s = sigmoid(%x) : f32[N,4]
+  %t = mul(%s, %r) : f32[N,4]
+  %u = tanh(%t) : f32[N,4]
+  return %u, %c
+}"""
+    g = parse_graph(text)
+    PassManager([FuseEpilogues()])(g)
+    meta = {n.name: {k: v for k, v in n.meta.items() if k in ("fused", "fused_into")} for n in g}
+    # %c is a graph output: the chain stops there (the kernel writes %c), relu starts anew
+    assert meta["a"] == {"fused": ["c"]} and meta["c"] == {"fused_into": "a"}
+    # relu -> mul (by the materialized %s) -> tanh becomes one elementwise kernel
+    assert meta["r"] == {"fused": ["t", "u"]} and meta["s"] == {}
+    assert print_graph(g) == print_graph(parse_graph(text))  # values unchanged
+
+
+def test_fusion_respects_values_the_backward_pass_needs():
+    from gcomp.passes import FuseEpilogues
+    text = """graph t(%x: f32[N,4], %g: graph<coo>) {
+  %a = aggregate(%g, %x) : f32[N,4]
+  %r = relu(%a) : f32[N,4]
+  %e = exp(%a) : f32[N,4]
+  %s = add(%r, %e) : f32[N,4]
+  return %s
+}"""
+    g = parse_graph(text)
+    PassManager([FuseEpilogues()])(g)
+    assert "fused" not in g.node("a").meta  # %a has two users: it must be materialized

@@ -10,6 +10,7 @@ from __future__ import annotations
 from tvm import te, tirx
 from tvm.script import tirx as T
 
+from gcomp.codegen import epilogue as epi
 from gcomp.codegen.fastmath import fast_exp
 from gcomp.codegen.kernels import definer
 
@@ -84,14 +85,44 @@ def ewise(op: str, attrs: tuple, in_shapes: tuple, out_shape: tuple):
 
 
 @definer("matmul")
-def matmul(K: int, M: int):
-    """out[i, j] = sum_k x[i, k] * w[k, j] (x: [n, K], w: [K, M])."""
+def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = ()):
+    """out[i, j] = epilogue(sum_k x[i, k] * w[k, j]) (x: [n, K], w: [K, M])."""
     n = tirx.Var("n", "int64")
     x = te.placeholder((n, K), "float32", name="x")
     w = te.placeholder((K, M), "float32", name="w")
     k = te.reduce_axis((0, K), name="k")
     out = te.compute((n, M), lambda i, j: te.sum(x[i, k] * w[k, j], axis=k), name="matmul")
-    return te.create_prim_func([x, w, out])
+    if not epilogue:
+        return te.create_prim_func([x, w, out])
+    ext = [te.placeholder({"vec": (M,), "row": (n, M), "scalar": ()}[kind], "float32",
+                          name=f"e{i}") for i, kind in enumerate(extras)]
+    res = te.compute((n, M), lambda i, j: epi.apply(
+        epilogue, out[i, j], lambda e: ext[e][epi.index(extras[e], i, j)]), name="epilogue")
+    return te.create_prim_func([x, w] + ext + [res])
+
+
+def _tree(expr, leaves, idx, out_shape):
+    """Evaluate a fused elementwise expression tree at output index ``idx``."""
+    if expr[0] == "in":
+        t, shape = leaves[expr[1]]
+        return t[_bcast_index(shape, out_shape, idx)] if shape else t[()]
+    op, attrs, args = expr
+    vals = [_tree(a, leaves, idx, out_shape) for a in args]
+    attrs = dict(attrs)
+    if op == "elementwise_grad":
+        return _grad_expr(attrs["op"], attrs["wrt"], attrs, vals[0], vals[1:])
+    return _apply(op, attrs, vals)
+
+
+@definer("ewise_chain")
+def ewise_chain(expr: tuple, in_shapes: tuple, out_shape: tuple):
+    """A fused chain of elementwise ops: one pass over memory instead of one per op."""
+    n = tirx.Var("n", "int64")
+    ins = [te.placeholder(_dims(s, n), "float32", name=f"in{i}") for i, s in enumerate(in_shapes)]
+    leaves = list(zip(ins, in_shapes))
+    out = te.compute(_dims(out_shape, n), lambda *i: _tree(expr, leaves, i, out_shape),
+                     name="ewise")
+    return te.create_prim_func(ins + [out])
 
 
 @definer("reduce")
@@ -174,6 +205,14 @@ def _grad_expr(op: str, wrt: int, attrs: dict, dy, xs):
     """dy * d op(xs) / d xs[wrt]: the meaning of ``elementwise_grad`` (see the interpreter)."""
     x = xs[0]
     zero, one = _f32(0), _f32(1)
+    if attrs.get("of_output"):  # x is the op's output y
+        d = {"relu": lambda: tirx.Select(x > zero, one, zero),
+             "leaky_relu": lambda: tirx.Select(x > zero, one, _f32(attrs["alpha"])),
+             "elu": lambda: tirx.Select(x > zero, one, x + _f32(attrs["alpha"])),
+             "sigmoid": lambda: x * (one - x),
+             "tanh": lambda: one - x * x,
+             "exp": lambda: x}[op]()
+        return dy * d
     if op == "relu":
         d = tirx.Select(x > zero, one, zero)
     elif op == "leaky_relu":

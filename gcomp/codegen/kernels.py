@@ -77,4 +77,4 @@ def define(spec: KernelSpec):
 
 
 # importing the definition modules registers them
-from gcomp.codegen import dense_kernels, sparse_kernels  # noqa: E402,F401
+from gcomp.codegen import aggregate_kernel, dense_kernels, sparse_kernels  # noqa: E402,F401

@@ -28,6 +28,10 @@ def _spec_shape(ty: TensorType) -> tuple:
     return tuple("n" if not isinstance(d, int) else d for d in ty.shape)
 
 
+def _scalar_attrs(n: Node) -> dict:
+    return {k: v for k, v in n.attrs.items() if isinstance(v, (str, int, float, bool))}
+
+
 def _role(n: Node) -> str:
     if isinstance(n.ty, GraphType):
         return "graph"
@@ -95,6 +99,13 @@ class _Lowering:
         return self.plan, self.specs
 
     def lower(self, n: Node) -> None:
+        if "fused" in n.meta:
+            return  # an anchor: its group is emitted at the group's last member
+        if "fused_into" in n.meta:
+            anchor = self.graph.node(n.meta["fused_into"])
+            if anchor.meta["fused"][-1] == n.name:
+                self.lower_group(anchor, [self.graph.node(m) for m in anchor.meta["fused"]])
+            return
         op = n.op
         fn = getattr(self, f"lower_{op.value}", None)
         if fn is not None:
@@ -105,6 +116,58 @@ class _Lowering:
             self.lower_reduce(n)
         else:
             raise CompileError(f"%{n.name}: no lowering for op {op}")
+
+    # -------------------------------------------------------------- fusion groups
+    def _extra_kind(self, v: Node, out: Node) -> str:
+        if v.ty.rank == 0:
+            return "scalar"
+        return "vec" if v.ty.is_static else "row"
+
+    def lower_group(self, anchor: Node, members: list[Node]) -> None:
+        """One kernel for ``anchor`` and its fused ``members`` (see passes/fuse_epilogues)."""
+        tail = members[-1]
+        self.buffer(tail)
+        if anchor.op in (Op.AGGREGATE, Op.MATMUL):
+            chain, extras, kinds, prev = [], [], [], anchor
+            for m in members:
+                if m.op == Op.RESHAPE:
+                    prev = m
+                    continue
+                if len(m.inputs) == 1:
+                    chain.append((m.op.value, _scalar_attrs(m), None, False))
+                else:
+                    other = m.inputs[1] if m.inputs[0] is prev else m.inputs[0]
+                    if other not in extras:
+                        extras.append(other)
+                        kinds.append(self._extra_kind(other, tail))
+                    chain.append((m.op.value, _scalar_attrs(m), extras.index(other),
+                                  m.inputs[0] is other))
+                prev = m
+            ext_args = [self.arg(e, self.flat2(e) if k == "row" else None) for e, k in
+                        zip(extras, kinds)]
+            if anchor.op == Op.AGGREGATE:
+                self.lower_aggregate(anchor, out=tail, epilogue=(tuple(chain), tuple(kinds),
+                                                                  ext_args))
+            else:
+                x, w = anchor.inputs
+                spec = KernelSpec.make("matmul", K=int(w.ty.shape[0]), M=int(w.ty.shape[1]),
+                                       epilogue=chain, extras=kinds)
+                self.step(anchor, spec, [self.arg(x), self.arg(w)] + ext_args + [self.arg(tail)])
+            return
+        group = [anchor] + members
+        leaves: list[Node] = []
+
+        def expr(v: Node):
+            if v in group:
+                return [v.op.value, _scalar_attrs(v), [expr(i) for i in v.inputs]]
+            if v not in leaves:
+                leaves.append(v)
+            return ["in", leaves.index(v)]
+        tree = expr(tail)
+        spec = KernelSpec.make("ewise_chain", expr=tree,
+                               in_shapes=[_spec_shape(v.ty) for v in leaves],
+                               out_shape=_spec_shape(tail.ty))
+        self.step(anchor, spec, [self.arg(v) for v in leaves] + [self.arg(tail)])
 
     # -------------------------------------------------------------- leaves
     def lower_input(self, n: Node) -> None:
@@ -192,10 +255,14 @@ class _Lowering:
         self.step(n, spec, [self.garr(g, "indptr"), self.arg(e, self.flat2(e)),
                             self.arg(n, self.flat2(n))])
 
-    def lower_aggregate(self, n: Node) -> None:
+    def lower_aggregate(self, n: Node, out: Node | None = None, epilogue=((), (), [])) -> None:
         g, x = n.inputs[0], n.inputs[1]
         w = n.inputs[2] if len(n.inputs) > 2 else None
-        self.buffer(n)
+        chain, kinds, ext_args = epilogue
+        if out is None:
+            out = n
+            self.buffer(n)
+        fused = {"epilogue": chain, "extras": kinds} if chain else {}
         feat = x.ty.shape[1:]
         if w is None:
             H, weight = 1, "none"
@@ -205,20 +272,21 @@ class _Lowering:
             H, weight = int(prod(w.ty.shape[1:])), "head"
         C = int(prod(feat)) // H
         wview = [self.arg(w, [self.lead(w), H if weight == "head" else 1])] if w is not None else []
-        tail = [self.arg(x, self.flat2(x)), self.arg(n, self.flat2(n))]
+        tail = [self.arg(x, self.flat2(x))] + list(ext_args) + [self.arg(out, self.flat2(out))]
         if n.attrs["flow"] == "out":  # over out-edges: the CSC arrays
             if n.attrs["reduce"] != "sum":
                 raise CompileError(f"%{n.name}: only sum aggregates over out-edges")
             head = [self.garr(g, "csc_indptr"), self.garr(g, "csc_indices")]
             if w is None:
-                spec = KernelSpec.make("csr_agg", reduce="sum", H=H, C=C, weight="none")
+                spec = KernelSpec.make("csr_agg", reduce="sum", H=H, C=C, weight="none", **fused)
                 self.step(n, spec, head + tail)
             else:
                 spec = KernelSpec.make("csr_agg", reduce="sum", H=H, C=C, weight=weight,
-                                       indirect=True)
+                                       indirect=True, **fused)
                 self.step(n, spec, head + [self.garr(g, "csc_eid")] + wview + tail)
             return
-        spec = KernelSpec.make("csr_agg", reduce=n.attrs["reduce"], H=H, C=C, weight=weight)
+        spec = KernelSpec.make("csr_agg", reduce=n.attrs["reduce"], H=H, C=C, weight=weight,
+                               **fused)
         args = [self.garr(g, "indptr"), self.garr(g, "indices")]
         self.step(n, spec, args + wview + tail)
 
@@ -293,7 +361,7 @@ class _Lowering:
 
     def lower_elementwise_grad(self, n: Node) -> None:
         self.buffer(n)
-        attrs = {k: n.attrs[k] for k in ("alpha", "exponent")}
+        attrs = {k: n.attrs[k] for k in ("alpha", "exponent", "of_output")}
         spec = KernelSpec.make("ewise_grad", op=n.attrs["op"], wrt=n.attrs["wrt"], attrs=attrs,
                                in_shapes=[_spec_shape(i.ty) for i in n.inputs],
                                out_shape=_spec_shape(n.ty))

@@ -1,5 +1,6 @@
-"""Sparse (graph) kernels in TVMScript: aggregation, segment reduction, gather,
-edge softmax, degrees, normalization, edge remapping.
+"""Sparse (graph) kernels in TVMScript: segment reduction, gather, edge softmax,
+degrees, normalization, edge remapping, argmax routing, dropout.  (Aggregation,
+with its many variants, is built in ``aggregate_kernel.py``.)
 
 Python values captured by a TVMScript function are compile-time constants, and
 ``if`` on them is resolved while parsing: that is how one template covers the
@@ -11,87 +12,12 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from gcomp.codegen.aggregate_kernel import _finish
 from gcomp.codegen.fastmath import fast_exp
 from gcomp.codegen.kernels import definer
 from gcomp.ir import rng
 
 NEG_INF = -3.4028234663852886e38
-
-
-def _finish(reduce: str, acc, vi, indptr):
-    """Expression applied to an accumulated row (mean scaling, empty-row zero for max)."""
-    deg = indptr[vi + 1] - indptr[vi]
-    if reduce == "mean":
-        return acc / T.Cast("float32", T.max(deg, T.int64(1)))
-    if reduce == "max":
-        return T.Select(deg > T.int64(0), acc, T.float32(0))
-    return acc
-
-
-@definer("csr_agg")
-def csr_agg(reduce: str, H: int, C: int, weight: str, indirect: bool = False):
-    """out[i, h, c] = reduce_{j in row i} w[j, h] * x[indices[j], h, c] (x, out viewed [., H*C]).
-
-    ``weight``: "none", "edge" (w: [nnz, 1]) or "head" (w: [nnz, H]).  ``indirect``: the
-    rows are CSC segments (aggregation over out-edges) and edge values live in CSR order,
-    so they are read as w[eid[j], h].
-    """
-    if indirect:
-        return _csr_agg_indirect(H, C, weight)
-    init = T.float32(NEG_INF) if reduce == "max" else T.float32(0)
-    is_max = reduce == "max"
-    WH = H if weight == "head" else 1
-    PH = 1 if weight == "head" else 0
-    F = H * C
-
-    if weight == "none":
-        @T.prim_func(s_tir=True)
-        def k(indptr_h: T.handle, indices_h: T.handle, x_h: T.handle, out_h: T.handle):
-            T.func_attr({"tirx.noalias": True})
-            n, m, nnz = T.int64(), T.int64(), T.int64()
-            indptr = T.match_buffer(indptr_h, (n + 1,), "int64", align=4)
-            indices = T.match_buffer(indices_h, (nnz,), "int32", align=4)
-            x = T.match_buffer(x_h, (m, F), "float32", align=4)
-            out = T.match_buffer(out_h, (n, F), "float32", align=4)
-            for i, h, c in T.grid(n, H, C):
-                with T.sblock("row"):
-                    vi, vh, vc = T.axis.remap("SSS", [i, h, c])
-                    T.reads(indptr[vi:vi + 2], indices[0:nnz], x[0:m, vh * C + vc])
-                    T.writes(out[vi, vh * C + vc])
-                    out[vi, vh * C + vc] = init
-                    for j in range(indptr[vi], indptr[vi + 1]):
-                        if is_max:
-                            out[vi, vh * C + vc] = T.max(out[vi, vh * C + vc],
-                                                         x[indices[j], vh * C + vc])
-                        else:
-                            out[vi, vh * C + vc] = out[vi, vh * C + vc] + x[indices[j], vh * C + vc]
-                    out[vi, vh * C + vc] = _finish(reduce, out[vi, vh * C + vc], vi, indptr)
-        return k
-
-    @T.prim_func(s_tir=True)
-    def kw(indptr_h: T.handle, indices_h: T.handle, w_h: T.handle, x_h: T.handle, out_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        n, m, nnz = T.int64(), T.int64(), T.int64()
-        indptr = T.match_buffer(indptr_h, (n + 1,), "int64", align=4)
-        indices = T.match_buffer(indices_h, (nnz,), "int32", align=4)
-        w = T.match_buffer(w_h, (nnz, WH), "float32", align=4)
-        x = T.match_buffer(x_h, (m, F), "float32", align=4)
-        out = T.match_buffer(out_h, (n, F), "float32", align=4)
-        for i, h, c in T.grid(n, H, C):
-            with T.sblock("row"):
-                vi, vh, vc = T.axis.remap("SSS", [i, h, c])
-                T.reads(indptr[vi:vi + 2], indices[0:nnz], w[0:nnz, 0:WH], x[0:m, vh * C + vc])
-                T.writes(out[vi, vh * C + vc])
-                out[vi, vh * C + vc] = init
-                for j in range(indptr[vi], indptr[vi + 1]):
-                    if is_max:
-                        out[vi, vh * C + vc] = T.max(out[vi, vh * C + vc],
-                                                     w[j, vh * PH] * x[indices[j], vh * C + vc])
-                    else:
-                        out[vi, vh * C + vc] = (out[vi, vh * C + vc]
-                                                + w[j, vh * PH] * x[indices[j], vh * C + vc])
-                out[vi, vh * C + vc] = _finish(reduce, out[vi, vh * C + vc], vi, indptr)
-    return kw
 
 
 @definer("csr_segment")
@@ -118,7 +44,7 @@ def csr_segment(reduce: str, F: int):
                         out[vi, vf] = T.max(out[vi, vf], e[j, vf])
                     else:
                         out[vi, vf] = out[vi, vf] + e[j, vf]
-                out[vi, vf] = _finish(reduce, out[vi, vf], vi, indptr)
+                out[vi, vf] = _finish(reduce, out[vi, vf], indptr[vi + 1] - indptr[vi])
     return k
 
 
@@ -284,36 +210,6 @@ def edge_remap(F: int, fill: float):
                 vj, vf = T.axis.remap("SS", [j, f])
                 out[vj, vf] = T.Select(origin[vj] >= T.int64(0),
                                        w[T.max(origin[vj], T.int64(0)), vf], T.float32(fill))
-    return k
-
-
-def _csr_agg_indirect(H: int, C: int, weight: str):
-    """Sum over out-edges: the backward of aggregation (indptr/indices/eid: CSC arrays)."""
-    WH = H if weight == "head" else 1
-    PH = 1 if weight == "head" else 0
-    F = H * C
-
-    @T.prim_func(s_tir=True)
-    def k(indptr_h: T.handle, indices_h: T.handle, eid_h: T.handle, w_h: T.handle, x_h: T.handle,
-          out_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        n, m, nnz = T.int64(), T.int64(), T.int64()
-        indptr = T.match_buffer(indptr_h, (n + 1,), "int64", align=4)
-        indices = T.match_buffer(indices_h, (nnz,), "int32", align=4)
-        eid = T.match_buffer(eid_h, (nnz,), "int64", align=4)
-        w = T.match_buffer(w_h, (nnz, WH), "float32", align=4)
-        x = T.match_buffer(x_h, (m, F), "float32", align=4)
-        out = T.match_buffer(out_h, (n, F), "float32", align=4)
-        for i, h, c in T.grid(n, H, C):
-            with T.sblock("row"):
-                vi, vh, vc = T.axis.remap("SSS", [i, h, c])
-                T.reads(indptr[vi:vi + 2], indices[0:nnz], eid[0:nnz], w[0:nnz, 0:WH],
-                        x[0:m, vh * C + vc])
-                T.writes(out[vi, vh * C + vc])
-                out[vi, vh * C + vc] = T.float32(0)
-                for j in range(indptr[vi], indptr[vi + 1]):
-                    out[vi, vh * C + vc] = (out[vi, vh * C + vc]
-                                            + w[eid[j], vh * PH] * x[indices[j], vh * C + vc])
     return k
 
 

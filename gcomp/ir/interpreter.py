@@ -89,9 +89,28 @@ def _route_max(g: RefGraph, dy: np.ndarray, argmax: np.ndarray) -> np.ndarray:
     return np.where(argmax[g.dst] == ids, dy[g.dst], 0.0)
 
 
+def _derivative_of_output(op: Op, a: dict, y):
+    """d op / dx written with y = op(x) (valid for the ops autodiff uses it for)."""
+    if op == Op.RELU:
+        return (y > 0).astype(np.float64)
+    if op == Op.LEAKY_RELU:  # alpha > 0 keeps the sign
+        return np.where(y > 0, 1.0, a["alpha"])
+    if op == Op.ELU:  # alpha > 0: y + alpha = alpha * exp(x) for x <= 0
+        return np.where(y > 0, 1.0, y + a["alpha"])
+    if op == Op.SIGMOID:
+        return y * (1.0 - y)
+    if op == Op.TANH:
+        return 1.0 - y * y
+    if op == Op.EXP:
+        return y
+    raise NotImplementedError(f"no output-based derivative for {op}")
+
+
 def _elementwise_grad(op: Op, wrt: int, a: dict, dy, xs):
     """dy * d op(xs) / d xs[wrt] (before reducing broadcast axes)."""
     x = xs[0]
+    if a.get("of_output"):
+        return dy * _derivative_of_output(op, a, x)
     if op == Op.RELU:
         d = (x > 0).astype(np.float64)
     elif op == Op.LEAKY_RELU:

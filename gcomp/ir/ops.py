@@ -29,7 +29,8 @@ Training ops:
                           (seed, step, element index): the same step gives the same mask
 ``cross_entropy(z, y, m)``  sum_i m_i * -log_softmax(z_i)[y_i] / sum_i m_i
 Gradient ops (made by autodiff): ``elementwise_grad`` (d op / d input ``wrt``
-times dy), ``cross_entropy_grad``, ``broadcast_to``, ``slice``, ``edge_dot``
+times dy; with ``of_output`` the derivative is computed from the op's output,
+which keeps activations' inputs out of memory), ``cross_entropy_grad``, ``broadcast_to``, ``slice``, ``edge_dot``
 (out[e] = sum_c x[src(e),..,c] * y[dst(e),..,c]), ``aggregate_argmax`` /
 ``scatter_argmax`` (the first in-edge in edge order holding the maximum, -1 if
 none) and ``aggregate_max_grad`` / ``scatter_max_grad`` (route dy to it).
@@ -506,6 +507,7 @@ OPS: dict[Op, OpDef] = {d.op: d for d in [
     OpDef(Op.CROSS_ENTROPY_GRAD, (4, 4), {}, _infer_cross_entropy_grad),
     OpDef(Op.ELEMENTWISE_GRAD, (2, 4), {"op": AttrSpec(required=True, kind=str),
                                          "wrt": AttrSpec(default=0, kind=int),
+                                         "of_output": AttrSpec(default=False, kind=bool),
                                          "alpha": _num(default=0.0),
                                          "exponent": _num(default=1.0)},
           _infer_elementwise_grad),

@@ -7,12 +7,14 @@ from gcomp.passes.cse import CommonSubexprElimination
 from gcomp.passes.dce import DeadCodeElimination
 from gcomp.passes.eval_mode import EvalMode
 from gcomp.passes.fuse_aggregate import FuseAggregate
+from gcomp.passes.fuse_epilogues import FuseEpilogues
 from gcomp.passes.hoist_graph_static import HoistGraphStatic
 from gcomp.passes.manager import Instrument, Pass, PassContext, PassError, PassManager
 
 
 PASSES = {p.name: p for p in (EvalMode, Canonicalize, CommonSubexprElimination, FuseAggregate,
-                              DeadCodeElimination, HoistGraphStatic, AddLoss, Autodiff)}
+                              DeadCodeElimination, HoistGraphStatic, FuseEpilogues, AddLoss,
+                              Autodiff)}
 
 
 def default_pipeline() -> PassManager:
@@ -24,6 +26,7 @@ def default_pipeline() -> PassManager:
         FuseAggregate(),       # gather -> edge-wise -> scatter becomes sparse aggregation
         DeadCodeElimination(), # drop what fusion left behind
         HoistGraphStatic(),    # degrees and norms: once per bound graph
+        FuseEpilogues(),       # bias, activations, elementwise chains: into their producer
     ])
 
 
@@ -37,8 +40,9 @@ def training_pipeline() -> PassManager:
         Autodiff(),            # reverse mode: outputs become [loss, gradients]
         DeadCodeElimination(),
         HoistGraphStatic(),    # degrees and norms of both directions: once per bound graph
+        FuseEpilogues(),
     ])
 
 
 __all__ = ["PASSES", "training_pipeline", "AddLoss", "Autodiff", "EvalMode", "Pass", "PassContext", "PassManager", "PassError", "Instrument", "default_pipeline",
-           "Canonicalize", "CommonSubexprElimination", "FuseAggregate", "DeadCodeElimination", "HoistGraphStatic"]
+           "Canonicalize", "CommonSubexprElimination", "FuseAggregate", "FuseEpilogues", "DeadCodeElimination", "HoistGraphStatic"]

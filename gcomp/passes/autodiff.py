@@ -64,6 +64,9 @@ class _Builder:
         return self.reshape(inv, (N,) + (1,) * (like.ty.rank - 1), hint)
 
 
+OF_OUTPUT = frozenset({Op.RELU, Op.LEAKY_RELU, Op.ELU, Op.SIGMOID, Op.TANH, Op.EXP})
+
+
 def _keep_shape(x: TensorType, axis: int) -> tuple:
     shape = list(x.shape)
     shape[axis % x.rank] = 1
@@ -112,6 +115,11 @@ def _vjp(b: _Builder, n: Node, dy: Node, needs) -> list[tuple[int, Node]]:
                 out.append((i, b.unbroadcast(g, ins[i].ty, h)))
     elif op == Op.NEG:
         out.append((0, b(Op.NEG, [dy], h)))
+    elif op in OF_OUTPUT and a.get("alpha", 1.0) > 0:
+        # the derivative from the output: the activation's input need not stay alive,
+        # which lets fusion fold it into the producing kernel
+        extra = {k: a[k] for k in ("alpha",) if k in a}
+        out.append((0, b(Op.ELEMENTWISE_GRAD, [dy, n], h, op=op.value, of_output=True, **extra)))
     elif op in OpGroup.Unary:
         extra = {k: a[k] for k in ("alpha", "exponent") if k in a}
         out.append((0, b(Op.ELEMENTWISE_GRAD, [dy, ins[0]], h, op=op.value, wrt=0, **extra)))

@@ -78,8 +78,8 @@ def schedule(sch, spec) -> None:
     elif kind == "sym_norm":
         sch.parallel(sch.get_loops(sch.get_sblock("norm"))[0])
     elif kind == "matmul":
-        _matmul(sch, p["M"])
-    elif kind in ("ewise", "ewise_grad", "broadcast", "slice", "transpose"):
+        _matmul(sch, p["M"], bool(p.get("epilogue")))
+    elif kind in ("ewise", "ewise_grad", "ewise_chain", "broadcast", "slice", "transpose"):
         _elementwise(sch, "ewise")
     elif kind == "concat":
         _elementwise(sch, "concat")
@@ -91,13 +91,18 @@ def schedule(sch, spec) -> None:
         raise KeyError(kind)
 
 
-def _matmul(sch, M: int) -> None:
+def _matmul(sch, M: int, epilogue: bool) -> None:
     blk = sch.get_sblock("matmul")
     i, j, k = sch.get_loops(blk)
     io, ii = sch.split(i, [None, 16])
     sch.reorder(io, ii, k, j)
     sch.parallel(io)
     _vector_split(sch, j, M)
+    if epilogue:  # applied per row while the row is hot; the sum lives in a local row
+        ep = sch.get_sblock("epilogue")
+        sch.reverse_compute_at(ep, ii)
+        _vector_split(sch, sch.get_loops(ep)[-1], M)
+        sch.set_scope(blk, 0, "local")
     sch.decompose_reduction(blk, k)
 
 

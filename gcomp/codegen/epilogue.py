@@ -1,0 +1,36 @@
+"""Epilogues: elementwise work folded into the kernel that produces its input.
+
+An epilogue is a chain of steps applied to a kernel's result before it is stored,
+as written by the ``fuse_epilogues`` pass: each step is ``(op, attrs, extra, swap)``
+with ``extra`` None for unary ops or the index of an extra kernel input for binary
+ones (a bias vector, a scalar, or a tensor shaped like the output); ``swap`` puts
+the extra input first (``sub(b, acc)``).  The step
+semantics are the elementwise ops' (``dense_kernels._apply``).
+
+``extras`` of a kernel spec list the extra inputs' shape kinds:
+``"vec"`` ([F], indexed by the flat feature), ``"row"`` ([n, F], same as the
+output) or ``"scalar"`` ([]).
+"""
+
+from __future__ import annotations
+
+
+def apply(chain: tuple, acc, extra_value):
+    """The epilogue expression; ``extra_value(k)`` gives extra input k at this element."""
+    from gcomp.codegen.dense_kernels import _apply
+    for op, attrs, extra, swap in chain:
+        if extra is None:
+            args = [acc]
+        else:
+            args = [extra_value(extra), acc] if swap else [acc, extra_value(extra)]
+        acc = _apply(op, dict(attrs), args)
+    return acc
+
+
+def index(kind: str, row, feature):
+    """Index tuple of an extra input of ``kind`` at output element (row, feature)."""
+    if kind == "vec":
+        return (feature,)
+    if kind == "row":
+        return (row, feature)
+    return ()
