@@ -189,3 +189,59 @@ def test_fusion_respects_values_the_backward_pass_needs():
     g = parse_graph(text)
     PassManager([FuseEpilogues()])(g)
     assert "fused" not in g.node("a").meta  # %a has two users: it must be materialized
+
+
+def test_reorder_aggregates_on_the_narrow_side():
+    from gcomp.passes import ReorderLinear
+    before = """graph t(%x: f32[N,8], %g: graph<coo>) {
+  %w = param : f32[8,2]
+  %a = aggregate[reduce="mean"](%g, %x) : f32[N,8]
+  %y = matmul(%a, %w) : f32[N,2]
+  return %y
+}"""
+    expected = """graph t(%x: f32[N,8], %g: graph<coo>) {
+  %w = param : f32[8,2]
+  %x.lin = matmul(%x, %w) : f32[N,2]
+  %y = aggregate[reduce="mean"](%g, %x.lin) : f32[N,2]
+  return %y
+}"""
+    same(run_pass(ReorderLinear(), before), expected)
+    wide = """graph t(%x: f32[N,2], %g: graph<coo>) {
+  %w = param : f32[2,8]
+  %h = matmul(%x, %w) : f32[N,8]
+  %y = aggregate(%g, %h) : f32[N,8]
+  return %y
+}"""
+    after = parse_graph(run_pass(ReorderLinear(), wide))
+    assert [n.op.value for n in after if n.op.value in ("matmul", "aggregate")] == \
+        ["aggregate", "matmul"]
+    assert after.outputs[0].op.value == "matmul"
+
+
+def test_reorder_through_gin_sum_shares_one_product():
+    from gcomp.passes import ReorderLinear
+    before = """graph t(%x: f32[N,8], %g: graph<coo>) {
+  %w = param : f32[8,2]
+  %eps = param : f32[]
+  %a = aggregate(%g, %x) : f32[N,8]
+  %s = mul(%eps, %x) : f32[N,8]
+  %h = add(%a, %s) : f32[N,8]
+  %y = matmul(%h, %w) : f32[N,2]
+  return %y
+}"""
+    g = parse_graph(run_pass(ReorderLinear(), before))
+    mm = [n for n in g if n.op.value == "matmul"]
+    assert len(mm) == 1 and mm[0].inputs[0].name == "x"
+    agg = [n for n in g if n.op.value == "aggregate"][0]
+    assert agg.inputs[1] is mm[0]
+
+
+def test_reorder_keeps_shared_values():
+    from gcomp.passes import ReorderLinear
+    before = """graph t(%x: f32[N,8], %g: graph<coo>) {
+  %w = param : f32[8,2]
+  %a = aggregate(%g, %x) : f32[N,8]
+  %y = matmul(%a, %w) : f32[N,2]
+  return %y, %a
+}"""
+    assert run_pass(ReorderLinear(), before) == print_graph(parse_graph(before))

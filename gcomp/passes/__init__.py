@@ -10,11 +10,12 @@ from gcomp.passes.fuse_aggregate import FuseAggregate
 from gcomp.passes.fuse_epilogues import FuseEpilogues
 from gcomp.passes.hoist_graph_static import HoistGraphStatic
 from gcomp.passes.manager import Instrument, Pass, PassContext, PassError, PassManager
+from gcomp.passes.reorder_linear import ReorderLinear
 
 
 PASSES = {p.name: p for p in (EvalMode, Canonicalize, CommonSubexprElimination, FuseAggregate,
-                              DeadCodeElimination, HoistGraphStatic, FuseEpilogues, AddLoss,
-                              Autodiff)}
+                              ReorderLinear, DeadCodeElimination, HoistGraphStatic,
+                              FuseEpilogues, AddLoss, Autodiff)}
 
 
 def default_pipeline() -> PassManager:
@@ -24,6 +25,7 @@ def default_pipeline() -> PassManager:
         Canonicalize(),        # bias adds, folded constants, single reshapes
         CommonSubexprElimination(),  # e.g. one self-loop graph and norm for all GCN layers
         FuseAggregate(),       # gather -> edge-wise -> scatter becomes sparse aggregation
+        ReorderLinear(),       # aggregate on the narrower side of each weight matrix
         DeadCodeElimination(), # drop what fusion left behind
         HoistGraphStatic(),    # degrees and norms: once per bound graph
         FuseEpilogues(),       # bias, activations, elementwise chains: into their producer
@@ -37,6 +39,7 @@ def training_pipeline() -> PassManager:
         Canonicalize(),
         CommonSubexprElimination(),
         FuseAggregate(),       # before autodiff: the backward of a fused aggregation is fused
+        ReorderLinear(),       # ... and of a narrower one is narrower
         Autodiff(),            # reverse mode: outputs become [loss, gradients]
         DeadCodeElimination(),
         HoistGraphStatic(),    # degrees and norms of both directions: once per bound graph
@@ -45,4 +48,4 @@ def training_pipeline() -> PassManager:
 
 
 __all__ = ["PASSES", "training_pipeline", "AddLoss", "Autodiff", "EvalMode", "Pass", "PassContext", "PassManager", "PassError", "Instrument", "default_pipeline",
-           "Canonicalize", "CommonSubexprElimination", "FuseAggregate", "FuseEpilogues", "DeadCodeElimination", "HoistGraphStatic"]
+           "Canonicalize", "CommonSubexprElimination", "FuseAggregate", "FuseEpilogues", "ReorderLinear", "DeadCodeElimination", "HoistGraphStatic"]
