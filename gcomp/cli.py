@@ -288,6 +288,7 @@ def cmd_train(args) -> int:
         "epoch_ms_median": float(np.median(times) * 1e3) if times else None,
         "bind_ms": trainer.bind_time_s * 1e3, "compile_s": compile_s,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "planned_mb": trainer._binding.memory["total_bytes"] / 2**20,
         "step": trainer.step_count,
         **(best if args.best_val else {}),
     }
@@ -303,9 +304,28 @@ def cmd_train(args) -> int:
 # ---------------------------------------------------------------------- info
 def cmd_info(args) -> int:
     from gcomp.runtime import artifact
+    from gcomp.runtime.memory import plan_memory
 
     art = artifact.load(args.artifact)
     info = art.info()
+    if args.graph:  # the memory plan needs a graph's node and edge counts
+        from gcomp.runtime.data import load_graph
+        from gcomp.runtime.graph import GraphStructure
+        g = load_graph(args.graph)
+        info["memory"] = {}
+        for label, plan in (("inference", art.plan), ("training", art.train_plan)):
+            if plan is None:
+                continue
+            structs: dict = {}
+            for gs in plan.graphs:
+                structs[gs["name"]] = (GraphStructure.from_edge_index(g.edge_index, g.num_nodes)
+                                       if gs["parent"] is None
+                                       else structs[gs["parent"]].derive(gs["mode"]))
+            sizes = {"N": g.num_nodes, **{f"E:{k}": v.num_edges for k, v in structs.items()}}
+            params = sum(v.nbytes for v in art.params.values())
+            mem = plan_memory(plan, sizes).summary()
+            mem["parameters_bytes"] = params
+            info["memory"][label] = {"graph": g.name, **mem}
     if args.json:
         print(json.dumps(info, indent=1, sort_keys=True))
         return 0
@@ -326,6 +346,12 @@ def cmd_info(args) -> int:
         print(f"           {k}: {shape}")
     print(f"sizes      kernels {info['sizes']['kernels_so_bytes']} B, parameters "
           f"{info['sizes']['params_bytes']} B")
+    for label, mem in info.get("memory", {}).items():
+        mb = 2 ** 20
+        print(f"memory     {label} on {mem['graph']}: {mem['total_bytes'] / mb:.1f} MiB planned "
+              f"peak ({mem['pinned_bytes'] / mb:.1f} pinned + {mem['planned_bytes'] / mb:.1f} in "
+              f"{mem['slots']} shared slots for {mem['buffers']} buffers that would take "
+              f"{mem['without_reuse_bytes'] / mb:.1f} without reuse)")
     return 0
 
 
@@ -402,6 +428,7 @@ def _parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="describe an artifact")
     i.add_argument("artifact")
     i.add_argument("--json", action="store_true")
+    i.add_argument("--graph", default=None, help="also report the planned memory for this graph")
     i.set_defaults(func=cmd_info)
     return p
 

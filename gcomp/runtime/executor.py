@@ -6,7 +6,8 @@ tensors that outlive a graph: parameters, constants and plan ``state``
 executor share one store, so both see the same parameters with no copies.
 
 ``bind(graph)`` prepares everything that depends on one graph, once: graph
-arrays, buffers sized for its node and edge counts, views, edge inputs, and the
+arrays, buffers sized for its node and edge counts (intermediates share storage
+by liveness: ``gcomp/runtime/memory.py``), views, edge inputs, and the
 bind-phase kernels (degrees, normalizations); the last binding is cached.
 ``execute(binding)`` calls the run-phase kernels in order; no allocation and no
 numpy arithmetic happens there.
@@ -23,6 +24,7 @@ import tvm
 from gcomp.errors import InputError
 from gcomp.runtime.data import GraphData, check_edge_values, check_features
 from gcomp.runtime.graph import GraphStructure
+from gcomp.runtime.memory import plan_memory
 from gcomp.runtime.plan import Plan
 
 
@@ -34,6 +36,7 @@ class Binding:
     buffers: dict[str, object]
     steps: list = field(default_factory=list)  # (function, args) in order
     bind_time_s: float = 0.0
+    memory: dict = field(default_factory=dict)  # gcomp.runtime.memory.MemoryPlan.summary()
 
 
 def _resolve(dims: list, sizes: dict[str, int]) -> tuple:
@@ -94,10 +97,16 @@ class Executor:
         sizes = {"N": graph.num_nodes}
         sizes.update({f"E:{k}": s.num_edges for k, s in structures.items()})
         buffers: dict[str, object] = dict(self.store)
+        memory = plan_memory(self.plan, sizes, self.store)
+        slots = [tvm.runtime.empty(((nb + 7) // 8,), "int64", self.device)
+                 for nb in memory.slot_bytes]
         for name, b in self.plan.buffers.items():  # roots first, then views of them
             if name not in buffers and "alias" not in b:
-                buffers[name] = tvm.runtime.empty(_resolve(b["dims"], sizes), b["dtype"],
-                                                  self.device)
+                shape = _resolve(b["dims"], sizes)
+                if name in memory.slots:  # shares storage with buffers it never overlaps
+                    buffers[name] = slots[memory.slots[name]]._create_view(shape, b["dtype"])
+                else:
+                    buffers[name] = tvm.runtime.empty(shape, b["dtype"], self.device)
         for name, b in self.plan.buffers.items():
             if "alias" in b:
                 buffers[name] = buffers[b["alias"]]._create_view(_resolve(b["dims"], sizes))
@@ -120,7 +129,7 @@ class Executor:
                     out.append(buffers[a["buf"]])
             return tuple(out)
 
-        b = Binding(graph, structures, sizes, buffers)
+        b = Binding(graph, structures, sizes, buffers, memory=memory.summary())
         for inp in self.plan.inputs:
             if inp["role"] == "edge":
                 w = self._edge_input(graph, inp)
