@@ -100,7 +100,7 @@ def cmd_compile(args) -> int:
     dt = time.perf_counter() - t0
     if timing is not None:
         print(timing.render(), file=sys.stderr)
-    print(f"compiled {model.name} for {args.target} in {dt:.2f} s: {len(art.plan.kernels())} "
+    print(f"compiled {model.name} for {args.target} in {dt:.2f} s: {len(art.kernels())} "
           f"kernels, {art.info()['num_parameters']} parameters -> {out}", file=sys.stderr)
     return 0
 
