@@ -187,13 +187,13 @@ def cmd_run(args) -> int:
     if args.features:
         x = load_features(args.features, graph.num_nodes)
     else:
-        x = graph.dense_x()
+        x = graph.x if graph.x is not None else graph.dense_x()
     features = {i["name"]: x for i in node_inputs}
     ex = art.executor()
     t0 = time.perf_counter()
-    binding = ex.bind(graph)
+    binding = ex.bind(graph, features)
     t1 = time.perf_counter()
-    ex.feed(binding, features)
+    binding = ex.feed(binding, features)
     ex.execute(binding)
     y = ex.outputs(binding)[0]
     t2 = time.perf_counter()
@@ -322,6 +322,12 @@ def cmd_info(args) -> int:
                                        if gs["parent"] is None
                                        else structs[gs["parent"]].derive(gs["mode"]))
             sizes = {"N": g.num_nodes, **{f"E:{k}": v.num_edges for k, v in structs.items()}}
+            from gcomp.runtime.features import sparsity
+            for v in plan.variants.values():  # sparse-feature buffers, if that variant runs
+                x = g.x
+                on = x is not None and v["threshold"] is not None and sparsity(x) >= v["threshold"]
+                nnz = int(x.nnz if hasattr(x, "nnz") else (x != 0).sum()) if on else 0
+                sizes[f"NNZ:{v['input']}"] = nnz
             params = sum(v.nbytes for v in art.params.values())
             mem = plan_memory(plan, sizes).summary()
             mem["parameters_bytes"] = params

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import Counter
 
 from gcomp.codegen.build import build_library, make_target
+from gcomp.codegen.calibrate import calibrate_sparse_threshold
 from gcomp.codegen.lower import lower
 from gcomp.codegen.optimizer import OptimizerConfig, add_optimizer
 from gcomp.errors import CompileError
@@ -23,13 +24,31 @@ from gcomp.passes import PassContext, default_pipeline, training_pipeline
 from gcomp.runtime.artifact import Artifact, new_manifest
 
 
+def _set_thresholds(plans, model: Model, tgt: dict, fixed: float | None) -> None:
+    """Sparse-feature thresholds: given, or measured on the target for each input's width."""
+    for key, v in plans[0].variants.items():
+        if fixed is not None:
+            threshold, table = float(fixed), [{"note": "given by the user"}]
+        else:
+            K = int(model.graph.node(v["input"]).ty.shape[1])
+            widths = [int(p.buffers[s["args"][-1]["buf"]]["dims"][-1]) for p in plans if p
+                      for s in p.steps if s.get("when") == key and s["op"] == "matmul"]
+            threshold, table = calibrate_sparse_threshold(K, min(widths or [K]), tgt)
+        for p in plans:
+            if p is not None and key in p.variants:
+                p.variants[key].update(threshold=threshold, calibration=table)
+
+
 def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None = None,
                   mcpu: str | None = None, train: bool = False,
-                  optimizer: OptimizerConfig | None = None) -> Artifact:
+                  optimizer: OptimizerConfig | None = None,
+                  sparse_threshold: float | None = None) -> Artifact:
     """Compile ``model`` for ``target``; returns a runnable, savable artifact.
 
     ``train=True`` also compiles one whole training step (forward, masked cross-entropy,
-    backward, optimizer update) into the same kernel library.
+    backward, optimizer update) into the same kernel library.  ``sparse_threshold`` fixes
+    the fraction of zeros in the node features above which the sparse-feature kernels run
+    (default: measured on the target, ``gcomp/codegen/calibrate.py``).
     """
     tgt = make_target(target, mcpu=mcpu)
     ctx = ctx or PassContext(target=target)
@@ -50,6 +69,7 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
         specs = {**specs, **tspecs}
         ir["training"] = print_graph(tgraph, show_meta=True)
     lib_path = build_library(specs, tgt)
+    _set_thresholds([plan, train_plan], model, tgt, sparse_threshold)
     params = {p.name: model.params[p.name] for p in model.graph.params}
     ops = dict(sorted(Counter(n.op.value for n in graph).items()))
     manifest = new_manifest({"name": model.name, **model.config}, model.signature(), tgt, ops,

@@ -25,7 +25,7 @@ def test_no_two_live_buffers_share_a_slot():
         plan, specs = lower(g)
         plan.loss, plan.grads = g.outputs[0].name, dict(g.meta["grads"])
         add_optimizer(plan, specs, OptimizerConfig())
-        sizes = {"N": 1000, **{f"E:{gr['name']}": 5000 for gr in plan.graphs}}
+        sizes = {"N": 1000, **{f"E:{gr['name']}": 5000 for gr in plan.graphs}, "NNZ:x": 3000}
         mem = plan_memory(plan, sizes)
         life = _lifetimes(plan)
         by_slot = {}

@@ -170,3 +170,38 @@ def test_citeseer_unlabelled_nodes_never_count():
     tr = Trainer(compile_model(models.build("gcn", 3703, hidden=4, out_channels=6), train=True), g)
     for m in (tr.train_mask, tr.val_mask, tr.test_mask):
         assert (g.y[m] >= 0).all()
+
+
+@pytest.mark.parametrize("name", ["gcn", "sage", "gin", "gat"])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_sparse_feature_variant_equals_dense(name, sparse):
+    """Both kernel variants for node features give the interpreter's gradients (with dropout)."""
+    g = labelled(awkward_graph(num_nodes=70, num_edges=400, num_features=9, seed=6), 3)
+    g.x[np.random.default_rng(0).random(g.x.shape) < 0.8] = 0.0  # sparse features
+    m = models.build(name, 9, hidden=8, out_channels=3, layers=2, heads=2, dropout=0.4, seed=3)
+    art = compile_model(m, train=True, sparse_threshold=0.5)
+    tr = Trainer(art, g, variants={"sparse:x": sparse})
+    assert ("sparse:x" in tr._binding.variants) == sparse
+    params0 = tr.parameters()
+    loss = tr.step()
+    tg = training_pipeline()(m.graph.copy())
+    inputs = {"x": g.x, "edge_index": RefGraph.from_edge_index(g.edge_index, g.num_nodes),
+              "labels": g.y, "train_mask": tr.train_mask.astype(np.float64), "rng_step": 1}
+    outs = interpret(tg, {k: v for k, v in inputs.items() if tg.has(k)}, params0)
+    assert abs(loss - outs[0]) <= 1e-4 * abs(outs[0])
+    for pname, ref in zip(tg.meta["grads"], outs[1:]):
+        assert rel_err(tr.gradients()[pname], ref) <= 1e-4, pname
+
+
+def test_inference_sparse_variant_and_refeeding():
+    g = awkward_graph(num_nodes=60, num_edges=300, num_features=12, seed=2)
+    g.x[np.random.default_rng(1).random(g.x.shape) < 0.9] = 0.0
+    m = models.build("gcn", 12, hidden=8, out_channels=3)
+    art = compile_model(m, sparse_threshold=0.5)
+    from conftest import ref_inputs
+    ex = art.executor()
+    assert rel_err(ex.run(g)[0], interpret(m.graph, ref_inputs(m.graph, g), m.params)[0]) < 1e-4
+    assert ex._binding.variants == {"sparse:x"}
+    x2 = np.random.default_rng(5).standard_normal(g.x.shape).astype(np.float32)  # dense now
+    y2 = ex.run(g, {"x": x2})[0]
+    assert rel_err(y2, interpret(m.graph, ref_inputs(m.graph, g, x2), m.params)[0]) < 1e-4

@@ -68,12 +68,67 @@ class _Lowering:
     def garr(g: Node, array: str) -> dict:
         return {"graph": g.name, "array": array}
 
-    def step(self, n: Node, spec: KernelSpec, args: list) -> None:
+    def step(self, n: Node, spec: KernelSpec, args: list, when: str | None = None,
+             unless: str | None = None) -> None:
+        """Emit a kernel call; ``when``/``unless`` name a runtime variant it belongs to."""
         self.specs[spec.name] = spec
         phase = n.meta.get("phase", "run")
-        (self.plan.bind_steps if phase == "bind" else self.plan.steps).append(
-            {"kernel": spec.name, "args": args, "node": n.name, "op": n.op.value,
-             "attrs": {k: v for k, v in n.attrs.items() if isinstance(v, (str, int, float))}})
+        s = {"kernel": spec.name, "args": args, "node": n.name, "op": n.op.value,
+             "attrs": {k: v for k, v in n.attrs.items() if isinstance(v, (str, int, float))}}
+        if when:
+            s["when"] = when
+        if unless:
+            s["unless"] = unless
+        (self.plan.bind_steps if phase == "bind" else self.plan.steps).append(s)
+
+    # -------------------------------------------------------------- sparse input features
+    @staticmethod
+    def _is_feature_input(v: Node) -> bool:
+        return (v.op == Op.INPUT and isinstance(v.ty, TensorType) and v.ty.is_node
+                and v.ty.rank == 2 and v.ty.dtype == "float32")
+
+    def feature_operand(self, v: Node):
+        """(input, dropout or None) when ``v`` is node features or dropout of them."""
+        if self._is_feature_input(v):
+            return v, None
+        if v.op == Op.DROPOUT and self._is_feature_input(v.inputs[0]):
+            return v.inputs[0], v
+        return None
+
+    def variant(self, x: Node) -> str:
+        key = f"sparse:{x.name}"
+        self.plan.variants.setdefault(key, {"input": x.name, "threshold": None})
+        return key
+
+    @staticmethod
+    def farr(x: Node, array: str) -> dict:
+        return {"features": x.name, "array": array}
+
+    def feature_values(self, x: Node, drop: Node | None) -> dict:
+        """Values of the nonzeros of x (after dropout's mask when there is one)."""
+        if drop is None:
+            return self.farr(x, "values")
+        return self.arg(f"{drop.name}.nnz")
+
+    def sparse_feature_matmul(self, n: Node, x: Node, drop: Node | None, w: Node, out: Node,
+                              chain=(), kinds=(), ext_args=()) -> None:
+        """The sparse-X variant of x @ w: an aggregation over X's nonzeros (rows of w)."""
+        key = self.variant(x)
+        fused = {"epilogue": chain, "extras": kinds} if chain else {}
+        spec = KernelSpec.make("csr_agg", reduce="sum", H=1, C=int(w.ty.shape[1]), weight="edge",
+                               **fused)
+        args = [self.farr(x, "indptr"), self.farr(x, "indices"), self.feature_values(x, drop),
+                self.arg(w)] + list(ext_args) + [self.arg(out)]
+        self.step(n, spec, args, when=key)
+
+    def sparse_feature_grad(self, n: Node, x: Node, drop: Node | None, dy: Node) -> None:
+        """The sparse-X variant of x.T @ dy: an aggregation over X's columns (CSC)."""
+        key = self.variant(x)
+        spec = KernelSpec.make("csr_agg", reduce="sum", H=1, C=int(dy.ty.shape[1]),
+                               weight="edge", indirect=True)
+        args = [self.farr(x, "csc_indptr"), self.farr(x, "csc_indices"), self.farr(x, "csc_eid"),
+                self.feature_values(x, drop), self.arg(dy), self.arg(n)]
+        self.step(n, spec, args, when=key)
 
     @staticmethod
     def lead(n: Node) -> str:
@@ -150,9 +205,14 @@ class _Lowering:
                                                                   ext_args))
             else:
                 x, w = anchor.inputs
+                feat = self.feature_operand(x)
                 spec = KernelSpec.make("matmul", K=int(w.ty.shape[0]), M=int(w.ty.shape[1]),
                                        epilogue=chain, extras=kinds)
-                self.step(anchor, spec, [self.arg(x), self.arg(w)] + ext_args + [self.arg(tail)])
+                self.step(anchor, spec, [self.arg(x), self.arg(w)] + ext_args + [self.arg(tail)],
+                          unless=self.variant(feat[0]) if feat else None)
+                if feat:
+                    self.sparse_feature_matmul(anchor, feat[0], feat[1], w, tail, tuple(chain),
+                                               tuple(kinds), ext_args)
             return
         group = [anchor] + members
         leaves: list[Node] = []
@@ -303,9 +363,13 @@ class _Lowering:
         if x.ty.rank != 2 or x.ty.is_static:
             raise CompileError(f"%{n.name}: matmul needs x of shape [N or E, K], got {x.ty}")
         self.buffer(n)
+        feat = self.feature_operand(x)
         if n.attrs["trans_a"]:  # x.T @ w: a weight gradient, reduced over the rows
             spec = KernelSpec.make("matmul_tn", K=int(x.ty.shape[1]), M=int(w.ty.shape[1]))
-            self.step(n, spec, [self.arg(x), self.arg(w), self.arg(n)])
+            self.step(n, spec, [self.arg(x), self.arg(w), self.arg(n)],
+                      unless=self.variant(feat[0]) if feat else None)
+            if feat:
+                self.sparse_feature_grad(n, feat[0], feat[1], w)
             return
         if n.attrs["trans_b"]:  # x @ w.T: transpose the (small, static) w first
             K, M = int(w.ty.shape[0]), int(w.ty.shape[1])
@@ -315,7 +379,10 @@ class _Lowering:
                                                                 self.arg(n)])
             return
         spec = KernelSpec.make("matmul", K=int(w.ty.shape[0]), M=int(w.ty.shape[1]))
-        self.step(n, spec, [self.arg(x), self.arg(w), self.arg(n)])
+        self.step(n, spec, [self.arg(x), self.arg(w), self.arg(n)],
+                  unless=self.variant(feat[0]) if feat else None)
+        if feat:
+            self.sparse_feature_matmul(n, feat[0], feat[1], w, n)
 
     def lower_elementwise(self, n: Node) -> None:
         self.buffer(n)
@@ -387,8 +454,21 @@ class _Lowering:
         spec = KernelSpec.make("dropout", F=int(prod(x.ty.shape[1:])), p=float(n.attrs["p"]),
                                seed=int(n.attrs["seed"]), edges=g is not None)
         perm = [{"graph": g, "array": "perm"}] if g is not None else []
+        unless = None
+        if self._is_feature_input(x):
+            # with sparse features the matmuls read masked nonzeros instead; the dense mask
+            # is only needed if something else reads it
+            key = self.variant(x)
+            if all(u.op == Op.MATMUL and u.inputs[0] is n for u in n.users):
+                unless = key
+            self.buffer(n, dims=[f"NNZ:{x.name}", 1], name=f"{n.name}.nnz")
+            nspec = KernelSpec.make("dropout_nnz", F=int(x.ty.shape[1]), p=float(n.attrs["p"]),
+                                    seed=int(n.attrs["seed"]))
+            self.step(n, nspec, [self.farr(x, "rows"), self.farr(x, "indices"),
+                                 self.farr(x, "values"), self.arg(step),
+                                 self.arg(f"{n.name}.nnz")], when=key)
         self.step(n, spec, perm + [self.arg(x, self.flat2(x)), self.arg(step),
-                                   self.arg(n, self.flat2(n))])
+                                   self.arg(n, self.flat2(n))], unless=unless)
 
     def lower_cross_entropy(self, n: Node) -> None:
         z, y, m = n.inputs

@@ -424,3 +424,30 @@ def _dropout_edges(F: int, p: float, seed: int, scale: float):
                 out[vi, vf] = T.Select(_keep(perm[vi] * F + vf, step[()], seed, p),
                                        x[vi, vf] * T.float32(scale), T.float32(0))
     return k
+
+
+@definer("dropout_nnz")
+def dropout_nnz(F: int, p: float, seed: int):
+    """Dropout on the nonzeros of sparse node features (row-major element index row*F+col,
+    the same mask as ``dropout`` on the dense features: zeros stay zeros either way)."""
+    scale = 1.0 / (1.0 - p)
+
+    @T.prim_func(s_tir=True)
+    def k(rows_h: T.handle, cols_h: T.handle, vals_h: T.handle, step_h: T.handle,
+          out_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        nnz = T.int64()
+        rows = T.match_buffer(rows_h, (nnz,), "int32", align=4)
+        cols = T.match_buffer(cols_h, (nnz,), "int32", align=4)
+        vals = T.match_buffer(vals_h, (nnz, 1), "float32", align=4)
+        step = T.match_buffer(step_h, (), "int32", align=4)
+        out = T.match_buffer(out_h, (nnz, 1), "float32", align=4)
+        for j in range(nnz):
+            with T.sblock("drop"):
+                vj = T.axis.remap("S", [j])
+                T.reads(rows[vj], cols[vj], vals[vj, 0], step[()])
+                T.writes(out[vj, 0])
+                out[vj, 0] = T.Select(
+                    _keep(T.Cast("int64", rows[vj]) * F + T.Cast("int64", cols[vj]), step[()],
+                          seed, p), vals[vj, 0] * T.float32(scale), T.float32(0))
+    return k

@@ -23,6 +23,7 @@ import tvm
 
 from gcomp.errors import InputError
 from gcomp.runtime.data import GraphData, check_edge_values, check_features
+from gcomp.runtime.features import SparseFeatures, sparsity
 from gcomp.runtime.graph import GraphStructure
 from gcomp.runtime.memory import plan_memory
 from gcomp.runtime.plan import Plan
@@ -37,6 +38,8 @@ class Binding:
     steps: list = field(default_factory=list)  # (function, args) in order
     bind_time_s: float = 0.0
     memory: dict = field(default_factory=dict)  # gcomp.runtime.memory.MemoryPlan.summary()
+    variants: set = field(default_factory=set)  # active kernel variants (plan.variants)
+    features_src: dict = field(default_factory=dict)  # ids of the features bound with
 
 
 def _resolve(dims: list, sizes: dict[str, int]) -> tuple:
@@ -67,6 +70,7 @@ class Executor:
                 b = plan.buffers[name]
                 self.store[name] = self.tensor(np.zeros(_resolve(b["dims"], {}), b["dtype"]))
         self._binding: Binding | None = None
+        self.force_variants: dict[str, bool] = {}  # variant key -> on/off, overriding the choice
 
     def tensor(self, a: np.ndarray):
         a = np.array(a, order="C")  # np.array keeps 0-d shapes (ascontiguousarray does not)
@@ -83,9 +87,27 @@ class Executor:
         return self.store[name].numpy()
 
     # ------------------------------------------------------------------ binding
-    def bind(self, graph: GraphData) -> Binding:
-        if self._binding is not None and self._binding.graph is graph:
-            return self._binding
+    def choose_variants(self, graph: GraphData, features: dict | None) -> tuple[set, dict]:
+        """Active variants for this graph, and the sparse features they need."""
+        active, sparse = set(), {}
+        for key, v in self.plan.variants.items():
+            x = (features or {}).get(v["input"], graph.x)
+            forced = self.force_variants.get(key)
+            on = forced if forced is not None else (
+                x is not None and v["threshold"] is not None and sparsity(x) >= v["threshold"])
+            if on and x is not None:
+                active.add(key)
+                sparse[v["input"]] = SparseFeatures(x)
+        return active, sparse
+
+    def bind(self, graph: GraphData, features: dict | None = None) -> Binding:
+        """Prepare ``graph`` (and, for sparse-feature variants, ``features``; default the
+        graph's own ``x``); the last binding is reused for the same objects."""
+        b = self._binding
+        if b is not None and b.graph is graph and all(
+                b.features_src.get(k) == id(v) for k, v in (features or {}).items()
+                if k in b.features_src):
+            return b
         t0 = time.perf_counter()
         structures: dict[str, GraphStructure] = {}
         for gspec in self.plan.graphs:
@@ -96,6 +118,10 @@ class Executor:
                 structures[gspec["name"]] = structures[gspec["parent"]].derive(gspec["mode"])
         sizes = {"N": graph.num_nodes}
         sizes.update({f"E:{k}": s.num_edges for k, s in structures.items()})
+        active, sparse = self.choose_variants(graph, features)
+        sizes.update({f"NNZ:{k}": f.nnz for k, f in sparse.items()})
+        sizes.update({f"NNZ:{v['input']}": 0 for v in self.plan.variants.values()
+                      if v["input"] not in sparse})
         buffers: dict[str, object] = dict(self.store)
         memory = plan_memory(self.plan, sizes, self.store)
         slots = [tvm.runtime.empty(((nb + 7) // 8,), "int64", self.device)
@@ -123,20 +149,30 @@ class Executor:
             for a in step["args"]:
                 if "graph" in a:
                     out.append(graph_array(a["graph"], a["array"]))
+                elif "features" in a:
+                    key = ("features", a["features"], a["array"])
+                    if key not in arrays:
+                        arrays[key] = tvm.runtime.tensor(sparse[a["features"]].array(a["array"]),
+                                                         self.device)
+                    out.append(arrays[key])
                 elif "view" in a:
                     out.append(buffers[a["buf"]]._create_view(_resolve(a["view"], sizes)))
                 else:
                     out.append(buffers[a["buf"]])
             return tuple(out)
 
-        b = Binding(graph, structures, sizes, buffers, memory=memory.summary())
+        bound_from = {v["input"]: id((features or {}).get(v["input"], graph.x))
+                      for v in self.plan.variants.values()}
+        b = Binding(graph, structures, sizes, buffers, memory=memory.summary(), variants=active,
+                    features_src=bound_from)
         for inp in self.plan.inputs:
             if inp["role"] == "edge":
                 w = self._edge_input(graph, inp)
                 buffers[inp["name"]].copyfrom(structures[inp["graph"]].to_csr_order(w))
         for step in self.plan.bind_steps:
             self.functions[step["kernel"]](*args_of(step))
-        b.steps = [(self.functions[s["kernel"]], args_of(s)) for s in self.plan.steps]
+        b.steps = [(self.functions[s["kernel"]], args_of(s)) for s in self.plan.steps
+                   if s.get("when", None) in active | {None} and s.get("unless") not in active]
         b.bind_time_s = time.perf_counter() - t0
         self._binding = b  # one binding at a time: buffers are sized per graph
         return b
@@ -157,8 +193,16 @@ class Executor:
     def node_inputs(self) -> list[dict]:
         return [i for i in self.plan.inputs if i["role"] == "node"]
 
-    def feed(self, binding: Binding, values: dict[str, np.ndarray]) -> None:
-        """Copy node inputs (features; labels and masks for training) into their buffers."""
+    def feed(self, binding: Binding, values: dict[str, np.ndarray]) -> Binding:
+        """Copy node inputs (features; labels and masks for training) into their buffers.
+
+        Returns the binding to execute: a new one when sparse-feature kernels were bound
+        to other feature values (their nonzero arrays belong to the binding).
+        """
+        if any(binding.features_src.get(k) != id(v) for k, v in values.items()
+               if k in binding.features_src):
+            binding = self.bind(binding.graph, {k: v for k, v in values.items()
+                                                if k in binding.features_src})
         for inp in self.node_inputs():
             name = inp["name"]
             if name not in values:
@@ -178,6 +222,7 @@ class Executor:
                     raise InputError(f"input {name!r} must have shape {want}, got {x.shape}")
                 x = np.ascontiguousarray(x, dtype=dtype)
             binding.buffers[name].copyfrom(x)
+        return binding
 
     def execute(self, binding: Binding) -> None:
         for fn, args in binding.steps:
@@ -194,9 +239,10 @@ class Executor:
 
     def run(self, graph: GraphData, features: dict[str, np.ndarray] | None = None) -> list[np.ndarray]:
         """Bind ``graph`` (cached), feed node inputs (default: the graph's own ``x``), run."""
-        binding = self.bind(graph)
+        binding = self.bind(graph, features)
         if features is None:
-            features = {i["name"]: graph.dense_x() for i in self.node_inputs()}
-        self.feed(binding, features)
+            features = {i["name"]: graph.x if graph.x is not None else graph.dense_x()
+                        for i in self.node_inputs()}
+        binding = self.feed(binding, features)
         self.execute(binding)
         return self.outputs(binding)

@@ -20,6 +20,13 @@ a graph value) or ints.
   as long as the executor, not a graph binding (optimizer moments, step
   counters); they start at zero and checkpoints save them.
 * ``outputs``: name, buffer, role, and for edge outputs their graph.
+* ``variants``: kernel variants the runtime chooses between for each bound graph.
+  ``sparse:<input>`` (``{"input", "threshold"}``): when the fraction of zeros in
+  those node features reaches the threshold (calibrated on the target at compile
+  time), steps marked ``"when": key`` run and steps marked ``"unless": key`` do not.
+  Their arguments may name ``{"features": input, "array": ...}``: the features'
+  nonzeros (``indptr``, ``indices``, ``rows``, ``values``, ``csc_indptr``,
+  ``csc_indices``, ``csc_eid``), sized by the dimension ``NNZ:<input>``.
 * training plans: ``loss`` (buffer of the scalar loss) and ``grads``
   (parameter -> gradient buffer); their ``steps`` end with the optimizer
   updates, so one pass over ``steps`` is one whole training step.
@@ -45,6 +52,7 @@ class Plan:
     state: list[str] = field(default_factory=list)
     loss: str | None = None
     grads: dict[str, str] = field(default_factory=dict)
+    variants: dict[str, dict] = field(default_factory=dict)
     bind_steps: list[dict] = field(default_factory=list)
     steps: list[dict] = field(default_factory=list)
     version: int = PLAN_VERSION

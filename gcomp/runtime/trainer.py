@@ -51,7 +51,10 @@ def masks_of(graph: GraphData, seed: int = 0) -> tuple[np.ndarray, np.ndarray, n
 
 
 class Trainer:
-    def __init__(self, artifact, graph: GraphData, seed: int = 0):
+    def __init__(self, artifact, graph: GraphData, seed: int = 0,
+                 variants: dict[str, bool] | None = None):
+        """``variants`` forces kernel variants on or off (``plan.variants``; default: chosen
+        by the graph's statistics)."""
         if artifact.train_plan is None:
             raise ArtifactError("this artifact was compiled for inference; compile it with "
                                 "--train (compile_model(..., train=True)) to train")
@@ -62,13 +65,15 @@ class Trainer:
         self.store: dict = {}
         self.train_ex = Executor(artifact.train_plan, lib, artifact.params, self.store)
         self.eval_ex = Executor(artifact.plan, lib, artifact.params, self.store)
+        for ex in (self.train_ex, self.eval_ex):
+            ex.force_variants = dict(variants or {})
         self.train_mask, self.val_mask, self.test_mask = masks_of(graph, seed)
         n_classes = self._num_classes()
         if int(graph.y.max()) >= n_classes:
             raise InputError(f"graph {graph.name!r} has labels up to {int(graph.y.max())}, but the "
                              f"model predicts {n_classes} classes")
         self.step_count = 0
-        x = graph.dense_x()
+        x = graph.x if graph.x is not None else graph.dense_x()
         self._binding = self.train_ex.bind(graph)
         self.bind_time_s = self._binding.bind_time_s
         feeds = {"labels": np.where(graph.y >= 0, graph.y, 0).astype(np.int32),
@@ -76,7 +81,7 @@ class Trainer:
         for inp in self.train_ex.node_inputs():
             if inp["name"] not in feeds:
                 feeds[inp["name"]] = x
-        self.train_ex.feed(self._binding, feeds)
+        self._binding = self.train_ex.feed(self._binding, feeds)
         self._x = x
 
     def _num_classes(self) -> int:
@@ -97,7 +102,7 @@ class Trainer:
     def logits(self) -> np.ndarray:
         b = self.eval_ex.bind(self.graph)
         feeds = {i["name"]: self._x for i in self.eval_ex.node_inputs()}
-        self.eval_ex.feed(b, feeds)
+        b = self.eval_ex.feed(b, feeds)
         self.eval_ex.execute(b)
         return self.eval_ex.outputs(b)[0]
 
@@ -129,8 +134,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def _fingerprint(self) -> str:
+        """Identifies the compiled model (kernels and plan; not measured thresholds)."""
+        plan = {k: v for k, v in self.artifact.train_plan.to_json().items() if k != "variants"}
         return hashlib.sha256(self.artifact.lib_bytes + json.dumps(
-            self.artifact.train_plan.to_json(), sort_keys=True).encode()).hexdigest()
+            plan, sort_keys=True).encode()).hexdigest()
 
     def save(self, path: str | Path) -> Path:
         """Write parameters, optimizer state and the step; atomic (temporary file + rename)."""

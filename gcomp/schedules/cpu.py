@@ -62,6 +62,9 @@ def schedule(sch, spec) -> None:
         _rows(sch, "edge", p["F"])
     elif kind == "dropout":
         _rows(sch, "drop", p["F"])
+    elif kind == "dropout_nnz":
+        outer, inner = sch.split(sch.get_loops(sch.get_sblock("drop"))[0], [None, 1024])
+        sch.parallel(outer)
     elif kind in ("edge_dot", "argmax_rows"):  # local accumulators: rows in parallel only
         sch.parallel(sch.get_loops(sch.get_sblock("row"))[0])
     elif kind in ("cross_entropy", "cross_entropy_grad"):

@@ -1,0 +1,44 @@
+"""Sparse node features: the nonzeros of X as CSR and CSC arrays, for the sparse-X
+kernel variants (``plan.variants``; Morphling's sparse input features).
+
+``x @ W`` becomes an aggregation over X's nonzeros gathering rows of W, and the
+weight gradient ``X.T @ dY`` an aggregation over X's columns (CSC).  Arrays:
+``indptr`` (int64, n+1), ``indices`` (int32 columns), ``rows`` (int32),
+``values`` (float32, nnz x 1), and ``csc_indptr`` (int64, F+1), ``csc_indices``
+(int32 rows), ``csc_eid`` (int64: CSC slot -> CSR position).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import scipy.sparse as sp
+
+
+def sparsity(x) -> float:
+    """Fraction of zeros, 1 - nnz / (N * F)."""
+    size = x.shape[0] * x.shape[1]
+    if size == 0:
+        return 0.0
+    nnz = x.nnz if sp.issparse(x) else int(np.count_nonzero(x))
+    return 1.0 - nnz / size
+
+
+class SparseFeatures:
+    def __init__(self, x):
+        csr = sp.csr_matrix(x, dtype=np.float32)
+        csr.sort_indices()
+        n, f = csr.shape
+        self.num_features = f
+        self.nnz = int(csr.nnz)
+        self.indptr = csr.indptr.astype(np.int64)
+        self.indices = csr.indices.astype(np.int32)
+        self.rows = np.repeat(np.arange(n, dtype=np.int32), np.diff(csr.indptr))
+        self.values = csr.data.astype(np.float32).reshape(-1, 1)
+        order = np.argsort(self.indices, kind="stable")
+        self.csc_eid = order.astype(np.int64)
+        self.csc_indices = self.rows[order]
+        counts = np.bincount(self.indices, minlength=f)
+        self.csc_indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+    def array(self, name: str) -> np.ndarray:
+        return getattr(self, name)
