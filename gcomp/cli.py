@@ -4,6 +4,7 @@
     gcomp run ART --graph GRAPH --out Y.npy [--features X.npy]
     gcomp train MODEL --graph GRAPH --epochs N [--lr --weight-decay --dropout --seed ...] [--json]
     gcomp info ART [--json]
+    gcomp explain MODEL [-t TARGET] [--graph GRAPH] [--train] [--json]
     gcomp opt FILE.ir [--passes P1,P2]      (pass debugging: replay a reproducer)
 
 User errors print one line on stderr and exit with code 2 (``--debug`` shows
@@ -143,6 +144,24 @@ def _pass_flags(p) -> None:
     p.add_argument("--timing", action="store_true", help="print a per-pass timing table")
     p.add_argument("--reproducer", metavar="DIR",
                    help="when a pass fails, write its input IR and a replay command here")
+
+
+# ---------------------------------------------------------------------- explain
+def cmd_explain(args) -> int:
+    from gcomp.compiler import compile_model
+    from gcomp.debug.explain import explain, render
+
+    graph_data = None
+    if args.graph:
+        from gcomp.runtime.data import load_graph
+        graph_data = load_graph(args.graph)
+    model = _model_from_args(args)
+    art = compile_model(model, args.target, train=args.train,
+                        optimizer=_optimizer_from_args(args) if args.train else None)
+    g = art.graphs["training"] if args.train else art.graphs["inference"]
+    report = explain(g, {"inference": art.plan, "training": art.train_plan}, graph_data)
+    print(json.dumps(report, indent=1) if args.json else render(report))
+    return 0
 
 
 # ---------------------------------------------------------------------- opt
@@ -362,6 +381,16 @@ def cmd_info(args) -> int:
 
 
 # ---------------------------------------------------------------------- main
+def _model_flags(p) -> None:
+    p.add_argument("--in", dest="in_channels", type=int, default=1433, help="input features")
+    p.add_argument("--hidden", type=int, default=16)
+    p.add_argument("--out", dest="out_channels", type=int, default=7, help="output features")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4, help="attention heads (gat)")
+    p.add_argument("--seed", type=int, default=0, help="parameter initialization seed")
+    p.add_argument("--edge-weight", action="store_true", help="gcn: take edge weights")
+
+
 def _training_flags(p) -> None:
     p.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
     p.add_argument("--lr", type=float, default=0.01)
@@ -379,13 +408,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("model", help="bundled model (gcn, sage, gin, gat) or an .onnx file")
     c.add_argument("-t", "--target", default="llvm", choices=["llvm", "cuda"])
     c.add_argument("-o", "--output", required=True, help="artifact path (.gcomp)")
-    c.add_argument("--in", dest="in_channels", type=int, default=1433, help="input features")
-    c.add_argument("--hidden", type=int, default=16)
-    c.add_argument("--out", dest="out_channels", type=int, default=7, help="output features")
-    c.add_argument("--layers", type=int, default=2)
-    c.add_argument("--heads", type=int, default=4, help="attention heads (gat)")
-    c.add_argument("--seed", type=int, default=0, help="parameter initialization seed")
-    c.add_argument("--edge-weight", action="store_true", help="gcn: take edge weights")
+    _model_flags(c)
     c.add_argument("--mcpu", default=None, help="llvm CPU (default: this machine's)")
     c.add_argument("--force", action="store_true", help="overwrite a file that is not an artifact")
     c.add_argument("--train", action="store_true",
@@ -393,6 +416,16 @@ def _parser() -> argparse.ArgumentParser:
     _training_flags(c)
     _pass_flags(c)
     c.set_defaults(func=cmd_compile)
+
+    e = sub.add_parser("explain", help="show the compiler's decisions and the numbers behind them")
+    e.add_argument("model", help="bundled model (gcn, sage, gin, gat) or an .onnx file")
+    e.add_argument("-t", "--target", default="llvm", choices=["llvm", "cuda"])
+    e.add_argument("--graph", default=None, help="also show the decisions for this graph")
+    e.add_argument("--train", action="store_true", help="explain the training step")
+    e.add_argument("--json", action="store_true")
+    _model_flags(e)
+    _training_flags(e)
+    e.set_defaults(func=cmd_explain)
 
     o = sub.add_parser("opt", help="run passes on an IR file (replays reproducers)")
     o.add_argument("file", help="IR text (gcomp's printed form)")

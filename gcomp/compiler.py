@@ -74,4 +74,6 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
     ops = dict(sorted(Counter(n.op.value for n in graph).items()))
     manifest = new_manifest({"name": model.name, **model.config}, model.signature(), tgt, ops,
                             optimizer=opt.to_json() if opt else None)
-    return Artifact(manifest, plan, params, lib_path.read_bytes(), ir, train_plan)
+    art = Artifact(manifest, plan, params, lib_path.read_bytes(), ir, train_plan)
+    art.graphs = {"inference": graph, "training": tgraph if train else None}  # not saved
+    return art

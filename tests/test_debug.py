@@ -144,3 +144,20 @@ def test_unknown_disabled_pass():
         PassManager([FuseAggregate()])(gcn().graph.copy(),
                                        PassContext(disabled=frozenset({"nope"})))
     assert PassError
+
+
+def test_explain_reports_decisions_with_numbers(capsys):
+    import json
+    assert main(["explain", "sage", "--in", "1433", "--hidden", "16", "--out", "7", "--graph",
+                 "cora", "--json", "--train"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    # SAGE's first mean aggregation moves from 1433 to 16 features
+    assert any(x["width_before"] == 1433 and x["width_after"] == 16 and
+               x["edge_work_after"] == 10556 * 16 for x in r["reorder"])
+    assert r["fusion"] and all(f["bytes_saved_per_row"] > 0 for f in r["fusion"])
+    sf = r["sparse_features"][0]
+    assert sf["graph_sparsity"] > 0.98 and sf["chosen"] in ("sparse", "dense")
+    assert (sf["chosen"] == "sparse") == (sf["graph_sparsity"] >= sf["threshold"])
+    assert len(sf["calibration"]) >= 5 and r["graph"]["nodes"] == 2708
+    assert main(["explain", "gcn", "--in", "1433", "--out", "7"]) == 0
+    assert "computed once per bound graph (hoisted): self_loops" in capsys.readouterr().out
