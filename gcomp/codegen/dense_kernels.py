@@ -477,3 +477,26 @@ def sgd(S: int):
                 p[vi] = p[vi] - hp[0] * T.Select(hp[4] != T.float32(0),
                                                  g[vi] + hp[3] * p[vi] + hp[1] * b[vi], b[vi])
     return k
+
+
+def _lanes(C: int) -> int:
+    return next((v for v in (8, 4, 2) if C % v == 0), 1)
+
+
+@definer("edge_dot")
+def edge_dot(H: int, C: int):
+    """out[j, h] = sum_c x[indices[j], h, c] * y[rows[j], h, c]: per-edge dot products
+    (the gradient of aggregation weights).  Written as V vector lanes of partial sums
+    (``part``) added at the end, so the products vectorize."""
+    n, m, nnz = (tirx.Var(v, "int64") for v in ("n", "m", "nnz"))
+    V = _lanes(C)
+    idx = te.placeholder((nnz,), "int32", name="indices")
+    rows = te.placeholder((nnz,), "int32", name="rows")
+    x = te.placeholder((m, H * C), "float32", name="x")
+    y = te.placeholder((n, H * C), "float32", name="y")
+    co = te.reduce_axis((0, C // V), name="co")
+    part = te.compute((nnz, H, V), lambda j, h, ci: te.sum(
+        x[idx[j], h * C + co * V + ci] * y[rows[j], h * C + co * V + ci], axis=co), name="part")
+    ci = te.reduce_axis((0, V), name="ci")
+    out = te.compute((nnz, H), lambda j, h: te.sum(part[j, h, ci], axis=ci), name="edge_dot")
+    return te.create_prim_func([idx, rows, x, y, out])

@@ -236,31 +236,6 @@ def csr_segment_indirect(F: int):
     return k
 
 
-@definer("edge_dot")
-def edge_dot(H: int, C: int):
-    """out[j, h] = sum_c x[indices[j], h, c] * y[i, h, c] for every in-edge j of row i."""
-
-    @T.prim_func(s_tir=True)
-    def k(indptr_h: T.handle, indices_h: T.handle, x_h: T.handle, y_h: T.handle, out_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        n, m, nnz = T.int64(), T.int64(), T.int64()
-        indptr = T.match_buffer(indptr_h, (n + 1,), "int64", align=4)
-        indices = T.match_buffer(indices_h, (nnz,), "int32", align=4)
-        x = T.match_buffer(x_h, (m, H * C), "float32", align=4)
-        y = T.match_buffer(y_h, (n, H * C), "float32", align=4)
-        out = T.match_buffer(out_h, (nnz, H), "float32", align=4)
-        for i, h in T.grid(n, H):
-            with T.sblock("row"):
-                vi, vh = T.axis.remap("SS", [i, h])
-                T.reads(indptr[vi:vi + 2], indices[0:nnz], x[0:m, 0:H * C], y[vi, 0:H * C])
-                T.writes(out[0:nnz, vh])
-                for j in range(indptr[vi], indptr[vi + 1]):
-                    out[j, vh] = T.float32(0)
-                    for c in range(C):
-                        out[j, vh] = out[j, vh] + x[indices[j], vh * C + c] * y[vi, vh * C + c]
-    return k
-
-
 @definer("argmax_rows")
 def argmax_rows(F: int, gathered: bool):
     """out[i, f] = the first edge position j of row i maximizing v_j[f], or -1 for an empty row.

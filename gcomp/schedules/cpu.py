@@ -65,7 +65,9 @@ def schedule(sch, spec) -> None:
     elif kind == "dropout_nnz":
         outer, inner = sch.split(sch.get_loops(sch.get_sblock("drop"))[0], [None, 1024])
         sch.parallel(outer)
-    elif kind in ("edge_dot", "argmax_rows"):  # local accumulators: rows in parallel only
+    elif kind == "edge_dot":
+        _edge_dot(sch, p["C"])
+    elif kind == "argmax_rows":  # data-dependent updates: rows in parallel only
         sch.parallel(sch.get_loops(sch.get_sblock("row"))[0])
     elif kind in ("cross_entropy", "cross_entropy_grad"):
         _softmax_rows(sch, p["C"])
@@ -180,3 +182,20 @@ def _softmax_rows(sch, C: int) -> None:
     if len(loops) > 1:
         _vector_split(sch, loops[-1], C)
     sch.parallel(i)
+
+
+def _edge_dot(sch, C: int) -> None:
+    """Edges in parallel chunks; per edge and head, V partial sums in a vector register."""
+    from gcomp.codegen.dense_kernels import _lanes
+    out = sch.get_sblock("edge_dot")
+    jo, ji = sch.split(sch.get_loops(out)[0], [None, 256])
+    sch.parallel(jo)
+    part = sch.get_sblock("part")
+    sch.compute_at(part, ji, preserve_unit_loops=True)
+    if _lanes(C) == 1:  # odd channel counts: scalar sums
+        return
+    lanes, head, chunk = sch.get_loops(part)[-3:]  # compute_at orders them like the block's iters
+    sch.reorder(head, chunk, lanes)
+    sch.set_scope(part, 0, "local")
+    sch.vectorize(lanes)  # before decomposing: the update block must stay a reduction
+    sch.decompose_reduction(part, chunk)
