@@ -33,7 +33,8 @@ def _set_thresholds(plans, model: Model, tgt: dict, fixed: float | None) -> None
             K = int(model.graph.node(v["input"]).ty.shape[1])
             widths = [int(p.buffers[s["args"][-1]["buf"]]["dims"][-1]) for p in plans if p
                       for s in p.steps if s.get("when") == key and s["op"] == "matmul"]
-            threshold, table = calibrate_sparse_threshold(K, min(widths or [K]), tgt)
+            threshold, table = calibrate_sparse_threshold(K, min(widths or [K]), tgt,
+                                                          training=plans[1] is not None)
         for p in plans:
             if p is not None and key in p.variants:
                 p.variants[key].update(threshold=threshold, calibration=table)
