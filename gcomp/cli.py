@@ -209,6 +209,7 @@ def cmd_run(args) -> int:
         x = graph.x if graph.x is not None else graph.dense_x()
     features = {i["name"]: x for i in node_inputs}
     ex = art.executor()
+    ex.reorder = args.reorder
     t0 = time.perf_counter()
     binding = ex.bind(graph, features)
     t1 = time.perf_counter()
@@ -274,7 +275,7 @@ def cmd_train(args) -> int:
         art = compile_model(_model_from_args(args), args.target, train=True,
                             optimizer=_optimizer_from_args(args))
     compile_s = time.perf_counter() - t0
-    trainer = Trainer(art, graph, seed=args.seed)
+    trainer = Trainer(art, graph, seed=args.seed, reorder=args.reorder)
     if args.resume:
         trainer.load(args.resume)
     progress = _Progress(args.epochs, sys.stderr.isatty() and not args.json)
@@ -381,6 +382,11 @@ def cmd_info(args) -> int:
 
 
 # ---------------------------------------------------------------------- main
+def _reorder_flag(p) -> None:
+    p.add_argument("--reorder", default="auto", choices=["auto", "none", "rcm", "degree"],
+                   help="node order for the kernels (auto: chosen by the cost model)")
+
+
 def _model_flags(p) -> None:
     p.add_argument("--in", dest="in_channels", type=int, default=1433, help="input features")
     p.add_argument("--hidden", type=int, default=16)
@@ -451,6 +457,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--save-every", type=int, default=0, help="also every K epochs")
     t.add_argument("--resume", default=None, help="start from this checkpoint")
     t.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    _reorder_flag(t)
     t.add_argument("--best-val", action="store_true",
                    help="evaluate every epoch; also report the test accuracy at the epoch of "
                         "best validation accuracy (the Planetoid protocol)")
@@ -462,6 +469,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--graph", required=True, help="graph .npz or a bundled dataset (cora, citeseer)")
     r.add_argument("--features", default=None, help="node features .npy (default: the graph's x)")
     r.add_argument("--out", required=True, help="where to write the output (.npy)")
+    _reorder_flag(r)
     r.set_defaults(func=cmd_run)
 
     i = sub.add_parser("info", help="describe an artifact")

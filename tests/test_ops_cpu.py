@@ -137,3 +137,22 @@ def test_concat_and_reshape():
 
 def test_matmul_with_bias():
     run_both(lambda x, g, w, W, b: ((x @ W) + b).relu(), params=[(6, 20), (20,)])
+
+
+@pytest.mark.parametrize("order", ["rcm", "degree"])
+def test_reordering_is_invisible_for_node_and_edge_outputs(order):
+    g = awkward_graph(num_nodes=70, num_edges=400, num_features=6, seed=4, edge_weight=True)
+    inputs = {"x": NodeInput(6), "edge_index": GraphInput(), "edge_weight": EdgeInput("edge_index")}
+
+    def fn(x, g_, w):
+        g2 = g_.add_self_loops()
+        a = g2.edge_softmax(g2.gather(x, "src").sum(-1) + g2.gather(x, "dst").sum(-1))
+        return [g2.aggregate(x, "sum", weight=g2.remap_edge_values(w)), a, g_.degree(w)]
+    m = trace(Fn(fn), inputs)
+    ex = compile_model(m).executor()
+    ex.reorder = order
+    outs = ex.run(g)
+    assert ex._binding.order is not None
+    refs = interpret(m.graph, ref_inputs(m.graph, g), m.params)
+    for o, r in zip(outs, refs):
+        assert rel_err(o, r) <= 1e-4

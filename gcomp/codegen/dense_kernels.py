@@ -293,13 +293,17 @@ CHUNKS = 16  # partial sums for reductions over the symbolic axis (>= threads, f
 
 
 @definer("matmul_tn")
-def matmul_tn(K: int, M: int):
+def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = CHUNKS):
     """out = x.T @ y (x: [n, K], y: [n, M]): weight gradients.
 
-    The rows are cut into CHUNKS contiguous ranges reduced in parallel into partial
-    [K, M] sums, then added up: no atomics, deterministic.
+    The rows are cut into ``chunks`` contiguous ranges reduced in parallel into partial
+    [K, M] sums, then added up: no atomics, deterministic.  ``gpu``: one spatial block
+    per partial-sum element (chunk, a, b) looping over its chunk's rows, for GPU threads
+    (the CPU form loops over a whole [K, M] tile per chunk, for one core each).
     """
-    P = CHUNKS
+    if gpu:
+        return _matmul_tn_gpu(K, M, chunks)
+    P = chunks
 
     @T.prim_func(s_tir=True)
     def k(x_h: T.handle, y_h: T.handle, out_h: T.handle):
@@ -329,11 +333,42 @@ def matmul_tn(K: int, M: int):
     return k
 
 
+def _matmul_tn_gpu(K: int, M: int, P: int):
+    @T.prim_func(s_tir=True)
+    def k(x_h: T.handle, y_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        x = T.match_buffer(x_h, (n, K), "float32", align=4)
+        y = T.match_buffer(y_h, (n, M), "float32", align=4)
+        out = T.match_buffer(out_h, (K, M), "float32", align=4)
+        part = T.sblock_alloc_buffer((P, K, M), "float32")
+        for p, a, b in T.grid(P, K, M):
+            with T.sblock("part"):
+                vp, va, vb = T.axis.remap("SSS", [p, a, b])
+                T.reads(x[0:n, va], y[0:n, vb])
+                T.writes(part[vp, va, vb])
+                part[vp, va, vb] = T.float32(0)
+                for i in range(vp * n // P, (vp + 1) * n // P):
+                    part[vp, va, vb] = part[vp, va, vb] + x[i, va] * y[i, vb]
+        for a, b in T.grid(K, M):
+            with T.sblock("sum"):
+                va, vb = T.axis.remap("SS", [a, b])
+                T.reads(part[0:P, va, vb])
+                T.writes(out[va, vb])
+                out[va, vb] = T.float32(0)
+                for q in range(P):
+                    out[va, vb] = out[va, vb] + part[q, va, vb]
+    return k
+
+
 @definer("colsum")
-def colsum(F: int):
-    """out[f] = sum_i x[i, f] over the symbolic rows (bias gradients): CHUNKS parallel
-    partial sums, then their sum; deterministic, no atomics."""
-    P = CHUNKS
+def colsum(F: int, chunks: int = CHUNKS, gpu: bool = False):
+    """out[f] = sum_i x[i, f] over the symbolic rows (bias gradients): ``chunks`` parallel
+    partial sums, then their sum; deterministic, no atomics.  ``gpu``: the same with every
+    block's reads and writes declared, so a GPU schedule may bind the final sum's loop."""
+    if gpu:
+        return _colsum_gpu(F, chunks)
+    P = chunks
 
     @T.prim_func(s_tir=True)
     def k(x_h: T.handle, out_h: T.handle):
@@ -353,6 +388,33 @@ def colsum(F: int):
         for f in range(F):
             with T.sblock("sum"):
                 vf = T.axis.remap("S", [f])
+                out[vf] = T.float32(0)
+                for q in range(P):
+                    out[vf] = out[vf] + part[q, vf]
+    return k
+
+
+def _colsum_gpu(F: int, P: int):
+    @T.prim_func(s_tir=True)
+    def k(x_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        x = T.match_buffer(x_h, (n, F), "float32", align=4)
+        out = T.match_buffer(out_h, (F,), "float32", align=4)
+        part = T.sblock_alloc_buffer((P, F), "float32")
+        for p, f in T.grid(P, F):
+            with T.sblock("part"):
+                vp, vf = T.axis.remap("SS", [p, f])
+                T.reads(x[0:n, vf])
+                T.writes(part[vp, vf])
+                part[vp, vf] = T.float32(0)
+                for i in range(vp * n // P, (vp + 1) * n // P):
+                    part[vp, vf] = part[vp, vf] + x[i, vf]
+        for f in range(F):
+            with T.sblock("sum"):
+                vf = T.axis.remap("S", [f])
+                T.reads(part[0:P, vf])
+                T.writes(out[vf])
                 out[vf] = T.float32(0)
                 for q in range(P):
                     out[vf] = out[vf] + part[q, vf]

@@ -28,6 +28,9 @@ def _spec_shape(ty: TensorType) -> tuple:
     return tuple("n" if not isinstance(d, int) else d for d in ty.shape)
 
 
+NODE_IDS = {"nodes": "ids"}  # the user's id of each node row (the runtime may reorder nodes)
+
+
 def _scalar_attrs(n: Node) -> dict:
     return {k: v for k, v in n.attrs.items() if isinstance(v, (str, int, float, bool))}
 
@@ -453,7 +456,12 @@ class _Lowering:
         g = x.ty.edge_graph
         spec = KernelSpec.make("dropout", F=int(prod(x.ty.shape[1:])), p=float(n.attrs["p"]),
                                seed=int(n.attrs["seed"]), edges=g is not None)
+        # the mask hashes canonical element ids: user edge ids (perm) or user node ids
         perm = [{"graph": g, "array": "perm"}] if g is not None else []
+        if x.ty.is_node:
+            perm = [NODE_IDS]
+        elif g is None:
+            raise CompileError(f"%{n.name}: dropout applies to node or edge tensors, got {x.ty}")
         unless = None
         if self._is_feature_input(x):
             # with sparse features the matmuls read masked nonzeros instead; the dense mask
@@ -464,7 +472,7 @@ class _Lowering:
             self.buffer(n, dims=[f"NNZ:{x.name}", 1], name=f"{n.name}.nnz")
             nspec = KernelSpec.make("dropout_nnz", F=int(x.ty.shape[1]), p=float(n.attrs["p"]),
                                     seed=int(n.attrs["seed"]))
-            self.step(n, nspec, [self.farr(x, "rows"), self.farr(x, "indices"),
+            self.step(n, nspec, [NODE_IDS, self.farr(x, "rows"), self.farr(x, "indices"),
                                  self.farr(x, "values"), self.arg(step),
                                  self.arg(f"{n.name}.nnz")], when=key)
         self.step(n, spec, perm + [self.arg(x, self.flat2(x)), self.arg(step),

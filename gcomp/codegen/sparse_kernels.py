@@ -358,26 +358,29 @@ def _keep(index, step, seed: int, p: float):
 def dropout(F: int, p: float, seed: int, edges: bool = False):
     """out = x * keep / (1 - p); keep from the counter hash of gcomp/ir/rng.py.
 
-    The hash counts elements in the op's canonical order: for edge tensors (stored in
-    CSR order) row j is edge perm[j] of the user's edge order (``edges``).
+    The hash counts elements in the op's canonical order: row i of a node tensor is
+    node ids[i] of the user's graph (the runtime may reorder or shard nodes), row j of
+    an edge tensor (stored in CSR order) is edge perm[j] of the user's edge order
+    (``edges``).
     """
     scale = 1.0 / (1.0 - p)
     if edges:
         return _dropout_edges(F, p, seed, scale)
 
     @T.prim_func(s_tir=True)
-    def k(x_h: T.handle, step_h: T.handle, out_h: T.handle):
+    def k(ids_h: T.handle, x_h: T.handle, step_h: T.handle, out_h: T.handle):
         T.func_attr({"tirx.noalias": True})
         n = T.int64()
+        ids = T.match_buffer(ids_h, (n,), "int64", align=4)
         x = T.match_buffer(x_h, (n, F), "float32", align=4)
         step = T.match_buffer(step_h, (), "int32", align=4)
         out = T.match_buffer(out_h, (n, F), "float32", align=4)
         for i, f in T.grid(n, F):
             with T.sblock("drop"):
                 vi, vf = T.axis.remap("SS", [i, f])
-                T.reads(x[vi, vf], step[()])
+                T.reads(ids[vi], x[vi, vf], step[()])
                 T.writes(out[vi, vf])
-                out[vi, vf] = T.Select(_keep(vi * F + vf, step[()], seed, p),
+                out[vi, vf] = T.Select(_keep(ids[vi] * F + vf, step[()], seed, p),
                                        x[vi, vf] * T.float32(scale), T.float32(0))
     return k
 
@@ -408,10 +411,11 @@ def dropout_nnz(F: int, p: float, seed: int):
     scale = 1.0 / (1.0 - p)
 
     @T.prim_func(s_tir=True)
-    def k(rows_h: T.handle, cols_h: T.handle, vals_h: T.handle, step_h: T.handle,
-          out_h: T.handle):
+    def k(ids_h: T.handle, rows_h: T.handle, cols_h: T.handle, vals_h: T.handle,
+          step_h: T.handle, out_h: T.handle):
         T.func_attr({"tirx.noalias": True})
-        nnz = T.int64()
+        n, nnz = T.int64(), T.int64()
+        ids = T.match_buffer(ids_h, (n,), "int64", align=4)
         rows = T.match_buffer(rows_h, (nnz,), "int32", align=4)
         cols = T.match_buffer(cols_h, (nnz,), "int32", align=4)
         vals = T.match_buffer(vals_h, (nnz, 1), "float32", align=4)
@@ -420,9 +424,9 @@ def dropout_nnz(F: int, p: float, seed: int):
         for j in range(nnz):
             with T.sblock("drop"):
                 vj = T.axis.remap("S", [j])
-                T.reads(rows[vj], cols[vj], vals[vj, 0], step[()])
+                T.reads(ids[0:n], rows[vj], cols[vj], vals[vj, 0], step[()])
                 T.writes(out[vj, 0])
                 out[vj, 0] = T.Select(
-                    _keep(T.Cast("int64", rows[vj]) * F + T.Cast("int64", cols[vj]), step[()],
+                    _keep(ids[rows[vj]] * F + T.Cast("int64", cols[vj]), step[()],
                           seed, p), vals[vj, 0] * T.float32(scale), T.float32(0))
     return k

@@ -59,6 +59,11 @@ def explain(graph: Graph, plans: dict, graph_data=None) -> dict:
             report["sparse_features"].append(entry)
     if graph_data is not None:
         report["graph"] = graph_stats(graph_data)
+        from gcomp.runtime.executor import Executor
+        from gcomp.runtime.reorder import choose_order
+        plan = plans.get("training") or plans["inference"]
+        row_bytes = Executor._row_bytes(type("P", (), {"plan": plan})())
+        report["reorder_nodes"] = choose_order(graph_data, row_bytes)[1]
         for entry in report["sparse_features"]:
             s = report["graph"]["feature_sparsity"]
             entry["graph_sparsity"] = s
@@ -117,6 +122,12 @@ def render(report: dict) -> str:
     for label, k in report["kernels"].items():
         lines.append(f"{label}: {k['kernels']} kernels, {k['run_steps']} steps per run, "
                      f"{k['bind_steps']} once per graph")
+    if "reorder_nodes" in report:
+        r = report["reorder_nodes"]
+        dist = ", ".join(f"{k} {v:,.0f}" for k, v in r["mean_distance"].items())
+        lines.append(f"node order: {r['chosen']} (working set {r['working_set_bytes'] / 2**20:.1f} "
+                     f"MiB vs cache {r['cache_bytes'] / 2**20:.0f} MiB; mean gather distance in "
+                     f"rows: {dist}{'; ' + r['reason'] if 'reason' in r else ''})")
     if "graph" in report:
         g = report["graph"]
         d = g["in_degree"]

@@ -27,6 +27,7 @@ from gcomp.runtime.features import SparseFeatures, sparsity
 from gcomp.runtime.graph import GraphStructure
 from gcomp.runtime.memory import plan_memory
 from gcomp.runtime.plan import Plan
+from gcomp.runtime.reorder import choose_order, inverse, relabel
 
 
 @dataclass
@@ -40,6 +41,12 @@ class Binding:
     memory: dict = field(default_factory=dict)  # gcomp.runtime.memory.MemoryPlan.summary()
     variants: set = field(default_factory=set)  # active kernel variants (plan.variants)
     features_src: dict = field(default_factory=dict)  # ids of the features bound with
+    order: np.ndarray | None = None  # node order[i] of the user's graph is row i (reorder.py)
+    reorder: dict = field(default_factory=dict)  # the cost model's numbers
+
+
+def _rows(a, order):
+    return a[order] if a is not None and hasattr(a, "shape") and len(a.shape) >= 1 else a
 
 
 def _resolve(dims: list, sizes: dict[str, int]) -> tuple:
@@ -71,6 +78,13 @@ class Executor:
                 self.store[name] = self.tensor(np.zeros(_resolve(b["dims"], {}), b["dtype"]))
         self._binding: Binding | None = None
         self.force_variants: dict[str, bool] = {}  # variant key -> on/off, overriding the choice
+        self.reorder = "auto"  # node order when binding: auto (cost model), none, rcm, degree
+
+    def _row_bytes(self) -> int:
+        """Bytes of the widest node-tensor row (the gathered working set per node)."""
+        widths = [int(np.prod([d for d in b["dims"][1:]])) * 4 for b in self.plan.buffers.values()
+                  if b["dims"] and b["dims"][0] == "N"]
+        return max(widths, default=4)
 
     def tensor(self, a: np.ndarray):
         a = np.array(a, order="C")  # np.array keeps 0-d shapes (ascontiguousarray does not)
@@ -109,13 +123,19 @@ class Executor:
                 if k in b.features_src):
             return b
         t0 = time.perf_counter()
+        user_graph = graph
+        order, reorder_report = choose_order(graph, self._row_bytes(), self.reorder)
+        if order is not None:  # every node-indexed array below uses the new numbering
+            graph = relabel(graph, order)
+            features = {k: _rows(v, order) for k, v in (features or {}).items()}
         structures: dict[str, GraphStructure] = {}
         for gspec in self.plan.graphs:
             if gspec["parent"] is None:
                 structures[gspec["name"]] = GraphStructure.from_edge_index(graph.edge_index,
                                                                           graph.num_nodes)
             else:
-                structures[gspec["name"]] = structures[gspec["parent"]].derive(gspec["mode"])
+                structures[gspec["name"]] = structures[gspec["parent"]].derive(gspec["mode"],
+                                                                                order)
         sizes = {"N": graph.num_nodes}
         sizes.update({f"E:{k}": s.num_edges for k, s in structures.items()})
         active, sparse = self.choose_variants(graph, features)
@@ -149,6 +169,11 @@ class Executor:
             for a in step["args"]:
                 if "graph" in a:
                     out.append(graph_array(a["graph"], a["array"]))
+                elif "nodes" in a:  # the user's id of each row
+                    if "nodes" not in arrays:
+                        ids = order if order is not None else np.arange(graph.num_nodes)
+                        arrays["nodes"] = tvm.runtime.tensor(ids.astype(np.int64), self.device)
+                    out.append(arrays["nodes"])
                 elif "features" in a:
                     key = ("features", a["features"], a["array"])
                     if key not in arrays:
@@ -161,10 +186,11 @@ class Executor:
                     out.append(buffers[a["buf"]])
             return tuple(out)
 
-        bound_from = {v["input"]: id((features or {}).get(v["input"], graph.x))
+        bound_from = {v["input"]: id((features or {}).get(v["input"], user_graph.x))
                       for v in self.plan.variants.values()}
-        b = Binding(graph, structures, sizes, buffers, memory=memory.summary(), variants=active,
-                    features_src=bound_from)
+        b = Binding(user_graph, structures, sizes, buffers, memory=memory.summary(),
+                    variants=active, features_src=bound_from, order=order,
+                    reorder=reorder_report)
         for inp in self.plan.inputs:
             if inp["role"] == "edge":
                 w = self._edge_input(graph, inp)
@@ -221,6 +247,8 @@ class Executor:
                 if x.shape != want:
                     raise InputError(f"input {name!r} must have shape {want}, got {x.shape}")
                 x = np.ascontiguousarray(x, dtype=dtype)
+            if binding.order is not None:
+                x = np.ascontiguousarray(x[binding.order])
             binding.buffers[name].copyfrom(x)
         return binding
 
@@ -234,6 +262,8 @@ class Executor:
             v = binding.buffers[o["buffer"]].numpy()
             if o["role"] == "edge":
                 v = binding.structures[o["graph"]].from_csr_order(v)
+            elif o["role"] == "node" and binding.order is not None:
+                v = v[inverse(binding.order)]  # back to the user's node order
             outs.append(v)
         return outs
 

@@ -91,8 +91,12 @@ class GraphStructure:
         return GraphStructure(num_nodes, indptr, src[order].astype(np.int32),
                               dst[order].astype(np.int32), lambda: order.astype(np.int64))
 
-    def derive(self, mode: str) -> "GraphStructure":
-        """The graph made by ``self_loops[mode]`` (see ``gcomp.ir.ops``)."""
+    def derive(self, mode: str, node_ids: np.ndarray | None = None) -> "GraphStructure":
+        """The graph made by ``self_loops[mode]`` (see ``gcomp.ir.ops``).
+
+        ``node_ids``: the user's id of each node when the runtime reordered them; the new
+        self loops are numbered in the user's node order (their canonical edge ids).
+        """
         n = self.num_nodes
         is_loop = self.indices == self.rows
         keep = np.ones(self.num_edges, bool) if mode == "add" else ~is_loop
@@ -132,7 +136,7 @@ class GraphStructure:
         def perm():
             p = np.empty(total, np.int64)
             p[~is_new] = kept_rank()
-            p[loop_slot] = n_kept + np.arange(n)
+            p[loop_slot] = n_kept + (np.arange(n) if node_ids is None else node_ids)
             return p
 
         return GraphStructure(n, indptr, indices, rows, perm, origin)

@@ -14,7 +14,8 @@ a graph value) or ints.
   a kernel name, the IR node and op it implements (``node``, ``op``, ``attrs``:
   for the distributed runtime and profiling), and its arguments:
   ``{"buf": name, "view": dims?}`` or
-  ``{"graph": name, "array": <one of GRAPH_ARRAYS>}``.
+  ``{"graph": name, "array": <one of GRAPH_ARRAYS>}`` or ``{"nodes": "ids"}`` (int64,
+  the user's id of each node row: the runtime may reorder or shard nodes).
 * ``params``: parameter names (buffers of the same name); ``consts``: constant
   buffers and their values (a number or a list); ``state``: buffers that live
   as long as the executor, not a graph binding (optimizer moments, step

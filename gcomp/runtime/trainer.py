@@ -52,9 +52,9 @@ def masks_of(graph: GraphData, seed: int = 0) -> tuple[np.ndarray, np.ndarray, n
 
 class Trainer:
     def __init__(self, artifact, graph: GraphData, seed: int = 0,
-                 variants: dict[str, bool] | None = None):
+                 variants: dict[str, bool] | None = None, reorder: str = "auto"):
         """``variants`` forces kernel variants on or off (``plan.variants``; default: chosen
-        by the graph's statistics)."""
+        by the graph's statistics); ``reorder`` the node order (``runtime/reorder.py``)."""
         if artifact.train_plan is None:
             raise ArtifactError("this artifact was compiled for inference; compile it with "
                                 "--train (compile_model(..., train=True)) to train")
@@ -67,6 +67,7 @@ class Trainer:
         self.eval_ex = Executor(artifact.plan, lib, artifact.params, self.store)
         for ex in (self.train_ex, self.eval_ex):
             ex.force_variants = dict(variants or {})
+            ex.reorder = reorder
         self.train_mask, self.val_mask, self.test_mask = masks_of(graph, seed)
         n_classes = self._num_classes()
         if int(graph.y.max()) >= n_classes:
