@@ -1,0 +1,1 @@
+"""gcomp's benchmark harness: gcomp against PyG and DGL (see README.md)."""

@@ -1,0 +1,166 @@
+"""What each optimization is worth: gcomp's training epoch with one of them turned off.
+
+    python -m bench.ablation                       # arxiv-synth, 3 layers, hidden 32, all models
+    python -m bench.ablation --graphs cora --models gcn,gat
+
+Per model, the configurations are: ``all`` (the default pipeline and bind-time choices), one
+``-PASS`` per optional optimizing pass (compiled with ``PassContext(disabled={PASS})``), and
+the bind-time decisions forced off: ``-sparse-features`` (dense first-layer kernels whatever
+the feature sparsity) and ``-reorder`` (the user's node order).  Every configuration trains
+the same model from the same weights; before timing, each one's eval-mode output is checked
+against ``all``'s (max relative difference <= 1e-3), so an ablation never measures a
+different function.  Then rounds alternate over the configurations (median of ``--reps``).
+
+A pass that the compiler cannot do without for some model (the plan would need a kernel that
+does not exist, say) is reported with the compiler's error instead of a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+
+OPTIONAL_PASSES = ("cse", "fuse_aggregate", "reorder_linear", "hoist_graph_static",
+                   "fuse_epilogues")
+RUNTIME_CHOICES = ("sparse-features", "reorder")
+DEFAULT_SIZES = {"cora": (2, 16), "pubmed-synth": (2, 16), "arxiv-synth": (3, 32)}
+
+
+def make_trainer(wl, disabled: frozenset, sparse: bool, reorder: str):
+    from gcomp.codegen.optimizer import OptimizerConfig
+    from gcomp.compiler import compile_model
+    from gcomp.passes import PassContext
+    from gcomp.runtime.trainer import Trainer
+    t0 = time.perf_counter()
+    art = compile_model(wl.model, train=True, ctx=PassContext(disabled=disabled),
+                        optimizer=OptimizerConfig(name="adam", lr=0.01))
+    compile_s = time.perf_counter() - t0
+    variants = {} if sparse else {k: False for k in art.plan.variants}
+    tr = Trainer(art, wl.graph, variants=variants, reorder=reorder)
+    return tr, {"compile_s": compile_s, "bind_s": tr.bind_time_s,
+                "kernel_calls": len(tr._binding.steps),
+                "planned_mb": tr._binding.memory.get("total_bytes", 0) / 2**20}
+
+
+def configurations() -> dict[str, dict]:
+    out = {"all": dict(disabled=frozenset(), sparse=True, reorder="auto")}
+    for p in OPTIONAL_PASSES:
+        out[f"-{p}"] = dict(disabled=frozenset({p}), sparse=True, reorder="auto")
+    out["-sparse-features"] = dict(disabled=frozenset(), sparse=False, reorder="auto")
+    out["-reorder"] = dict(disabled=frozenset(), sparse=True, reorder="none")
+    return out
+
+
+def run_model(wl, reps: int, warmup: int, log) -> dict:
+    from bench.protocol import settle, summarize
+    from bench.runner import rel_diff
+    entry, trainers = {}, {}
+    ref = None
+    for name, cfg in configurations().items():
+        try:
+            tr, info = make_trainer(wl, **cfg)
+        except Exception as e:  # noqa: BLE001 - the compiler's reason is the result
+            entry[name] = {"status": "error", "reason": f"{type(e).__name__}: {e}"}
+            log(f"  {name}: cannot compile: {type(e).__name__}: {str(e).splitlines()[0]}")
+            continue
+        out = tr.logits()
+        if ref is None:
+            ref = out
+        d = rel_diff(out, ref)
+        entry[name] = {"status": "ok", **info, "max_rel_diff": d}
+        if not d <= 1e-3:
+            entry[name].update(status="not-equivalent")
+            log(f"  {name}: output differs from 'all' by {d:.2e}; not timed")
+            continue
+        trainers[name] = tr
+        log(f"  {name}: compile {info['compile_s']:.1f} s, {info['kernel_calls']} kernel calls")
+    times = {k: [] for k in trainers}
+    for rnd in range(warmup + reps):
+        for k, tr in trainers.items():
+            settle()
+            t0 = time.perf_counter()
+            tr.step()
+            if rnd >= warmup:
+                times[k].append(time.perf_counter() - t0)
+    base = None
+    for k, ts in times.items():
+        entry[k].update(summarize(ts), times_s=ts)
+        base = base or (entry["all"]["median_s"] if "all" in times else None)
+        if base:
+            entry[k]["slowdown"] = entry[k]["median_s"] / base
+        log(f"  {k}: {entry[k]['median_s'] * 1e3:.1f} ms"
+            + (f" ({entry[k]['slowdown']:.2f}x of all)" if base else ""))
+    return entry
+
+
+def markdown(results: dict) -> str:
+    names = list(configurations())
+    lines = [f"# gcomp ablations: training epoch with one optimization off\n",
+             f"{results['date_utc']} -- `{results['command']}`  ",
+             f"{results['machine'].get('cpu_model', '?')}, threads = {results['threads']}; median of "
+             f"{results['reps']} alternating epochs; ms per epoch (slowdown vs `all`).\n"]
+    for g, models in results["graphs"].items():
+        lines += [f"## {g}\n", "| model | " + " | ".join(names) + " |",
+                  "|---" * (len(names) + 1) + "|"]
+        for m, e in models.items():
+            cells = []
+            for n in names:
+                r = e.get(n, {})
+                if r.get("status") != "ok" or "median_s" not in r:
+                    cells.append(r.get("status", "-"))
+                else:
+                    cells.append(f"{r['median_s'] * 1e3:.1f}" +
+                                 ("" if n == "all" else f" ({r.get('slowdown', 0):.2f}x)"))
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.ablation", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--graphs", default="arxiv-synth")
+    p.add_argument("--models", default="gcn,sage,gin,gat")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    a = p.parse_args(argv)
+    from bench.env import machine, set_threads, versions
+    set_threads(a.threads)
+    from bench import workload as W
+    stamp = datetime.now(timezone.utc)
+    results = {"date_utc": stamp.isoformat(timespec="seconds"),
+               "command": "python -m bench.ablation " + shlex.join(sys.argv[1:] if argv is None
+                                                                    else argv),
+               "machine": machine(), "versions": versions(), "threads": a.threads,
+               "reps": a.reps, "warmup": a.warmup, "graphs": {}}
+    a.out.mkdir(parents=True, exist_ok=True)
+    path = a.out / f"ablation-{stamp.strftime('%Y%m%dT%H%M%SZ')}.json"
+    for g in a.graphs.split(","):
+        layers, hidden = DEFAULT_SIZES[g]
+        results["graphs"][g] = {}
+        for m in a.models.split(","):
+            print(f"{g}/{m}: {layers} layers, hidden {hidden}", flush=True)
+            wl = W.make(m, g, layers, hidden, 4)
+            try:
+                results["graphs"][g][m] = run_model(wl, a.reps, a.warmup,
+                                                    lambda s: print(s, flush=True))
+            except Exception:  # noqa: BLE001 - keep the other models' results
+                results["graphs"][g][m] = {"error": traceback.format_exc()}
+                print(traceback.format_exc(), flush=True)
+            path.write_text(json.dumps(results, indent=1))
+    (a.out / "ablation-latest.md").write_text(markdown(results))
+    print(markdown(results))
+    print(f"wrote {path} and ablation-latest.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

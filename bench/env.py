@@ -1,0 +1,130 @@
+"""Process environment: thread counts (set before torch / TVM are imported), machine, versions."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+
+THREAD_VARS = ("TVM_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+def set_threads(n: int) -> None:
+    """Give every library ``n`` threads.  Call before importing torch, tvm or dgl: the TVM and
+    OpenMP thread pools read their variables when they start."""
+    for v in THREAD_VARS:
+        os.environ[v] = str(n)
+
+
+def apply_torch_threads(n: int) -> None:
+    """The parts that can only be set after import (torch, DGL)."""
+    if "torch" in sys.modules:
+        torch = sys.modules["torch"]
+        torch.set_num_threads(n)
+        # Start torch's OpenMP pool now, before TVM starts its own (the first gcomp call).
+        # Measured: when torch's pool started after TVM's, PyG's Cora GCN epoch took 300-400
+        # ms instead of 8 ms for the rest of the process (thread masks looked the same; the
+        # order alone decides it).
+        torch.ones(1 << 22).mul_(2)
+    if "dgl" in sys.modules:
+        sys.modules["dgl"].utils.set_num_threads(n)
+
+
+def import_dgl():
+    """DGL 2.1's graphbolt has no build for torch 2.13; full-graph work does not need it."""
+    import types
+    sys.modules.setdefault("dgl.graphbolt", types.ModuleType("dgl.graphbolt"))
+    import dgl
+    return dgl
+
+
+def machine() -> dict:
+    cpu = None
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and cpu is None:
+                    cpu = line.split(":", 1)[1].strip()
+                if line.startswith("flags") and not flags:
+                    flags = line.split(":", 1)[1]
+    except OSError:
+        pass
+    mem_kb = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal"):
+                    mem_kb = int(line.split()[1])
+    except OSError:
+        pass
+    return {
+        "cpu_model": cpu or platform.processor(),
+        "cores_available": len(os.sched_getaffinity(0)),
+        "cpu_count": os.cpu_count(),
+        "memory_gib": round(mem_kb / 2**20, 1) if mem_kb else None,
+        "avx512": "avx512f" in flags.split(),
+        "avx2": "avx2" in flags.split(),
+        "platform": platform.platform(),
+    }
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+    out = {"python": platform.python_version()}
+    for key, dist in (("gcomp", "gcomp"), ("tvm", "apache-tvm"), ("torch", "torch"),
+                      ("torch_geometric", "torch-geometric"), ("dgl", "dgl"), ("numpy", "numpy"),
+                      ("scipy", "scipy")):
+        try:
+            out[key] = md.version(dist)
+        except md.PackageNotFoundError:
+            out[key] = None
+    return out
+
+
+class CpuMonitor:
+    """CPU time used by *other* processes: /proc/stat busy time minus this process's own
+    (threads and waited-for children).  ``cores()`` = average cores they kept busy since the
+    last call.  The machine is shared; a run with other load is recorded as such."""
+
+    def __init__(self):
+        self._last = self._sample()
+
+    @staticmethod
+    def _sample():
+        try:
+            with open("/proc/stat") as f:
+                v = [int(x) for x in f.readline().split()[1:]]
+        except OSError:
+            return None
+        hz = os.sysconf("SC_CLK_TCK")
+        busy = (sum(v[:8]) - v[3] - v[4]) / hz  # all but idle and iowait
+        t = os.times()
+        own = t.user + t.system + t.children_user + t.children_system
+        return time.monotonic(), busy, own
+
+    def cores(self) -> float | None:
+        now = self._sample()
+        last, self._last = self._last, now
+        if now is None or last is None or now[0] - last[0] <= 0:
+            return None
+        other = (now[1] - last[1]) - (now[2] - last[2])
+        return max(0.0, other / (now[0] - last[0]))
+
+
+def wait_quiet(max_wait_s: float, threshold: float = 0.2, window_s: float = 2.0, log=print):
+    """Wait (at most ``max_wait_s``) until other processes use < ``threshold`` cores."""
+    if max_wait_s <= 0:
+        return None
+    mon = CpuMonitor()
+    t0 = time.monotonic()
+    while True:
+        time.sleep(window_s)
+        load = mon.cores()
+        if load is None or load < threshold:
+            return load
+        if time.monotonic() - t0 > max_wait_s:
+            log(f"  machine still busy ({load:.2f} cores used by other processes); going on")
+            return load
+        log(f"  waiting for a quiet machine: other processes use {load:.2f} cores")
