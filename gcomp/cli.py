@@ -96,7 +96,8 @@ def cmd_compile(args) -> int:
     model = _model_from_args(args)
     ctx, timing = _pass_context(args)
     art = compile_model(model, args.target, mcpu=args.mcpu, train=args.train, ctx=ctx,
-                        optimizer=_optimizer_from_args(args) if args.train else None)
+                        optimizer=_optimizer_from_args(args) if args.train else None,
+                        arch=_arch_from_args(args))
     art.save(out)
     dt = time.perf_counter() - t0
     if timing is not None:
@@ -104,6 +105,14 @@ def cmd_compile(args) -> int:
     print(f"compiled {model.name} for {args.target} in {dt:.2f} s: {len(art.kernels())} "
           f"kernels, {art.info()['num_parameters']} parameters -> {out}", file=sys.stderr)
     return 0
+
+
+def _arch_from_args(args) -> str | None:
+    """``--arch`` (CUDA only; default sm_90)."""
+    arch = getattr(args, "arch", None)
+    if arch is not None and args.target != "cuda":
+        raise GcompError(f"--arch is for -t cuda, not -t {args.target}")
+    return arch
 
 
 def _pass_context(args):
@@ -215,6 +224,7 @@ def cmd_run(args) -> int:
     t1 = time.perf_counter()
     binding = ex.feed(binding, features)
     ex.execute(binding)
+    ex.sync()  # GPU kernels run asynchronously: the run time includes them
     y = ex.outputs(binding)[0]
     t2 = time.perf_counter()
     _save_npy_atomic(out, np.asarray(y))
@@ -273,7 +283,7 @@ def cmd_train(args) -> int:
         args.out_channels = int(graph.y.max()) + 1
         args.edge_weight = False
         art = compile_model(_model_from_args(args), args.target, train=True,
-                            optimizer=_optimizer_from_args(args))
+                            optimizer=_optimizer_from_args(args), arch=_arch_from_args(args))
     compile_s = time.perf_counter() - t0
     trainer = Trainer(art, graph, seed=args.seed, reorder=args.reorder)
     if args.resume:
@@ -358,7 +368,8 @@ def cmd_info(args) -> int:
     m = info["model"]
     print(f"artifact   {args.artifact}")
     print(f"model      {m.get('name')} {json.dumps({k: v for k, v in m.items() if k != 'name'})}")
-    print(f"target     {json.dumps(info['target'])}")
+    print(f"target     {json.dumps(info['target'])}"
+          + (f", device code {info['device_code_format']}" if info["device_code_format"] else ""))
     print(f"versions   gcomp {info['gcomp_version']}, TVM {info['tvm_version']}, "
           f"format {info['format_version']}")
     for io_ in ("inputs", "outputs"):
@@ -416,6 +427,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("-o", "--output", required=True, help="artifact path (.gcomp)")
     _model_flags(c)
     c.add_argument("--mcpu", default=None, help="llvm CPU (default: this machine's)")
+    c.add_argument("--arch", default=None,
+                   help="cuda: GPU architecture, e.g. sm_80, sm_90 (default), sm_100; the "
+                        "artifact holds its SASS plus PTX for newer GPUs (docs/cuda.md)")
     c.add_argument("--force", action="store_true", help="overwrite a file that is not an artifact")
     c.add_argument("--train", action="store_true",
                    help="also compile a training step (forward, loss, backward, optimizer)")
@@ -446,7 +460,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("model", help="bundled model (gcn, sage, gin, gat) or a --train artifact")
     t.add_argument("--graph", required=True, help="graph .npz with y (and masks), or a bundled name")
     t.add_argument("--epochs", type=int, default=200)
-    t.add_argument("-t", "--target", default="llvm", choices=["llvm"])
+    t.add_argument("-t", "--target", default="llvm", choices=["llvm", "cuda"],
+                   help="when compiling MODEL here: cuda trains on the GPU (docs/cuda.md)")
+    t.add_argument("--arch", default=None, help="cuda: GPU architecture (default sm_90)")
     t.add_argument("--layers", type=int, default=2)
     t.add_argument("--hidden", type=int, default=16)
     t.add_argument("--heads", type=int, default=4, help="attention heads (gat)")

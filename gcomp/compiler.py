@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from gcomp.codegen.build import build_library, make_target
+from gcomp.codegen.build import build_library, device_code_format, make_target
 from gcomp.codegen.calibrate import calibrate_sparse_threshold
 from gcomp.codegen.lower import lower
 from gcomp.codegen.optimizer import OptimizerConfig, add_optimizer
@@ -43,15 +43,16 @@ def _set_thresholds(plans, model: Model, tgt: dict, fixed: float | None) -> None
 def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None = None,
                   mcpu: str | None = None, train: bool = False,
                   optimizer: OptimizerConfig | None = None,
-                  sparse_threshold: float | None = None) -> Artifact:
+                  sparse_threshold: float | None = None, arch: str | None = None) -> Artifact:
     """Compile ``model`` for ``target``; returns a runnable, savable artifact.
 
     ``train=True`` also compiles one whole training step (forward, masked cross-entropy,
     backward, optimizer update) into the same kernel library.  ``sparse_threshold`` fixes
     the fraction of zeros in the node features above which the sparse-feature kernels run
-    (default: measured on the target, ``gcomp/codegen/calibrate.py``).
+    (default: measured on the target, ``gcomp/codegen/calibrate.py``).  ``arch`` is the
+    CUDA architecture for ``target="cuda"`` (default ``sm_90``; ``docs/cuda.md``).
     """
-    tgt = make_target(target, mcpu=mcpu)
+    tgt = make_target(target, mcpu=mcpu, arch=arch)
     ctx = ctx or PassContext(target=target)
     graph = default_pipeline()(model.graph.copy(), ctx)
     plan, specs = lower(graph)
@@ -74,6 +75,7 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
     params = {p.name: model.params[p.name] for p in model.graph.params}
     ops = dict(sorted(Counter(n.op.value for n in graph).items()))
     manifest = new_manifest({"name": model.name, **model.config}, model.signature(), tgt, ops,
+                            device_code_format=device_code_format(tgt),
                             optimizer=opt.to_json() if opt else None)
     art = Artifact(manifest, plan, params, lib_path.read_bytes(), ir, train_plan)
     art.graphs = {"inference": graph, "training": tgraph if train else None}  # not saved

@@ -32,8 +32,19 @@ def make_target(kind: str, mcpu: str | None = None, arch: str | None = None) -> 
     if kind == "llvm":
         return {"kind": "llvm", "mcpu": mcpu or host_cpu()}
     if kind == "cuda":
-        return {"kind": "cuda", "arch": arch or "sm_90"}
+        from gcomp.codegen.cuda_build import parse_arch
+        arch = "sm_90" if arch is None else arch
+        parse_arch(arch)  # a clear CompileError for a malformed arch
+        return {"kind": "cuda", "arch": arch}
     raise CompileError(f"unknown target {kind!r}; targets: {', '.join(TARGETS)}")
+
+
+def device_code_format(target: dict) -> str | None:
+    """How the library holds device code: None (host code only), or cubin/fatbin/ptx."""
+    if target["kind"] == "cuda":
+        from gcomp.codegen.cuda_build import DEVICE_CODE_FORMAT
+        return DEVICE_CODE_FORMAT
+    return None
 
 
 def cache_dir() -> Path:
@@ -61,6 +72,9 @@ def schedule_module(specs: dict[str, KernelSpec], target: dict) -> tvm.IRModule:
 
 def build_library(specs: dict[str, KernelSpec], target: dict, out_path: Path | None = None) -> Path:
     """Compile the kernels into a shared library; return its path (in the cache)."""
+    if target["kind"] == "cuda":  # schedules, nvcc and device-code packing: cuda_build.py
+        from gcomp.codegen.cuda_build import build_cuda_library
+        return build_cuda_library(specs, target, cache_dir())
     mod = schedule_module(specs, target)
     key = hashlib.sha256(
         f"{tvm_ffi.structural_hash(mod)}|{sorted(target.items())}|{tvm.__version__}|{sorted(specs)}"

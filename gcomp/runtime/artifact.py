@@ -104,10 +104,29 @@ class Artifact:
         return list(names)
 
     # ------------------------------------------------------------------ running
+    def device(self):
+        """The device the kernels run on: the CPU, or CUDA device 0 for a cuda artifact
+        (``$GCOMP_CUDA_DEVICE`` picks another); a clear error when there is none."""
+        import tvm
+        if self.target.get("kind") != "cuda":
+            return tvm.cpu()
+        load_cuda_runtime()
+        dev = tvm.cuda(int(os.environ.get("GCOMP_CUDA_DEVICE", "0")))
+        try:
+            present = bool(dev.exist)
+        except Exception:  # noqa: BLE001 - no driver: the CUDA runtime cannot even ask
+            present = False
+        if not present:
+            raise ArtifactError(f"this artifact was compiled for CUDA ({self.target.get('arch')}) "
+                                f"and needs a CUDA GPU; none was found")
+        return dev
+
     def library(self):
         """The kernel library, loaded once (from a private temporary directory)."""
         if self._lib is None:
             import tvm
+            if self.target.get("kind") == "cuda":
+                load_cuda_runtime()
             self._libdir = tempfile.TemporaryDirectory(prefix="gcomp-")
             lib_path = Path(self._libdir.name) / LIB_NAME
             lib_path.write_bytes(self.lib_bytes)
@@ -121,7 +140,8 @@ class Artifact:
         """An executor of the forward plan (inference)."""
         if self._executor is None:
             from gcomp.runtime.executor import Executor
-            self._executor = Executor(self.plan, self.library(), self.params)
+            self._executor = Executor(self.plan, self.library(), self.params,
+                                      device=self.device())
         return self._executor
 
     def run(self, graph, features: dict | None = None) -> list[np.ndarray]:
@@ -162,6 +182,22 @@ class Artifact:
                 os.unlink(tmp)
             raise
         return path
+
+
+def load_cuda_runtime() -> None:
+    """Make sure TVM's CUDA runtime plugin is loaded: a runtime-only TVM
+    (``TVM_USE_RUNTIME_LIB=1``, ``docs/cuda.md``) does not load it by itself."""
+    import ctypes
+
+    import tvm
+    if tvm.get_global_func("ffi.Module.load_from_bytes.cuda", allow_missing=True) is not None:
+        return
+    path = Path(tvm.__file__).parent / "lib" / "libtvm_runtime_cuda.so"
+    try:
+        ctypes.CDLL(str(path), ctypes.RTLD_GLOBAL)
+    except OSError as e:
+        raise ArtifactError(f"cannot load TVM's CUDA runtime ({path}): {e}; a cuda artifact needs "
+                            "the NVIDIA driver (libcuda.so.1) and libcudart.so.13") from None
 
 
 def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:

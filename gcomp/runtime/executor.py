@@ -196,12 +196,27 @@ class Executor:
                 w = self._edge_input(graph, inp)
                 buffers[inp["name"]].copyfrom(structures[inp["graph"]].to_csr_order(w))
         for step in self.plan.bind_steps:
-            self.functions[step["kernel"]](*args_of(step))
-        b.steps = [(self.functions[s["kernel"]], args_of(s)) for s in self.plan.steps
-                   if s.get("when", None) in active | {None} and s.get("unless") not in active]
+            args = args_of(step)
+            if self._launchable(args):
+                self.functions[step["kernel"]](*args)
+        b.steps = [(self.functions[s["kernel"]], args) for s in self.plan.steps
+                   if s.get("when", None) in active | {None} and s.get("unless") not in active
+                   for args in [args_of(s)] if self._launchable(args)]
         b.bind_time_s = time.perf_counter() - t0
         self._binding = b  # one binding at a time: buffers are sized per graph
         return b
+
+    def _launchable(self, args) -> bool:
+        """False for a GPU kernel whose output (its last argument) is empty: its grid would
+        have no blocks, which CUDA refuses (a graph without edges has empty edge tensors)."""
+        if self.device.dlpack_device_type() == tvm.cpu().dlpack_device_type() or not args:
+            return True
+        shape = getattr(args[-1], "shape", None)
+        return shape is None or all(int(d) > 0 for d in shape)
+
+    def sync(self) -> None:
+        """Wait for the device (GPU kernels run asynchronously; outputs() waits by itself)."""
+        self.device.sync()
 
     @staticmethod
     def _edge_input(graph: GraphData, inp: dict) -> np.ndarray:

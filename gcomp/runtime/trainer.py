@@ -62,9 +62,10 @@ class Trainer:
         self.graph = graph
         self.seed = int(seed)
         lib = artifact.library()
+        dev = artifact.device()  # the CPU, or the GPU of a cuda artifact (docs/cuda.md)
         self.store: dict = {}
-        self.train_ex = Executor(artifact.train_plan, lib, artifact.params, self.store)
-        self.eval_ex = Executor(artifact.plan, lib, artifact.params, self.store)
+        self.train_ex = Executor(artifact.train_plan, lib, artifact.params, self.store, dev)
+        self.eval_ex = Executor(artifact.plan, lib, artifact.params, self.store, dev)
         for ex in (self.train_ex, self.eval_ex):
             ex.force_variants = dict(variants or {})
             ex.reorder = reorder

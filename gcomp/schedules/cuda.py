@@ -1,0 +1,376 @@
+"""CUDA schedules: every kernel kind of ``gcomp/codegen/kernels`` mapped onto GPU threads.
+
+``schedule(sch, spec)`` works like ``gcomp/schedules/cpu.py``: it gets a
+``tvm.s_tir.Schedule`` holding one unscheduled kernel and its spec, and binds
+its loops.  A kind it does not know raises ``KeyError``; the CUDA build
+(``gcomp/codegen/cuda_build.py``) then schedules that kernel with
+``tvm.s_tir.dlight.gpu.Fallback``, so a kind added later never breaks ``-t cuda``.
+
+Thread layouts used here:
+
+* **rows x lanes** (``_bind_rows``), for kernels that are a spatial block over
+  (row, features) whose body loops over the row's edges (aggregation, segment
+  reductions, argmax, edge softmax, matmul): ``lanes`` threads (a warp for
+  widths >= 32) cover the feature axis, so neighbouring threads read
+  neighbouring floats of one gathered row, and a block holds
+  ``THREADS // lanes`` rows.  Each thread accumulates its output element in a
+  register (``cache_write`` to ``local``) and stores it once.
+* **flat** (``_bind_flat``): elementwise work, all loops fused and split over
+  blocks of ``THREADS`` threads.
+* **cross-thread reduction** (``_reduce_to_scalar``): reductions over the
+  symbolic row axis to a scalar (loss, mask counts) run in one block: each of
+  ``THREADS`` threads sums a strided share in a fixed order, then TVM's
+  warp-shuffle tree adds the partial sums.  No atomics anywhere: every kernel is
+  deterministic (the same inputs give the same bits).
+* reductions over rows into a small static output (``matmul_tn``, ``colsum``) use
+  the chunked definitions (partial sums per chunk of rows, then their sum) with
+  more chunks on the GPU (``DEFINITION_PARAMS``).
+
+Aggregation strategies: ``AGG_STRATEGIES`` maps a name to a schedule;
+``agg_strategy(spec)`` picks one (today always ``rows``: warp over features,
+several rows per block).  Degree-binned variants slot in here: an ELL-bucket
+kernel for low-degree rows (one thread per row and lane group, edges unrolled),
+and hub rows split over several warps or blocks (partial sums then a second
+pass, or ``T.cuda.atomic_add`` behind a flag since it is not deterministic).
+They need per-graph row bins, which belong with the runtime's graph preparation
+(``gcomp/runtime/graph.py``) and plan variants (``plan.variants``), like the
+sparse-feature variant.
+
+Pitfalls of TVM 0.27's CUDA path (``shared/notes/tvm.md``) this file respects:
+loop kinds are only chosen here, never written in kernel bodies; no shared
+memory under a row predicate (only the scalar reductions use shared memory,
+and they have no predicate around them); a function with two thread-bound
+nests becomes two kernel launches (``colsum``, ``matmul_tn`` and the losses do
+this on purpose, their intermediates are allocated by the host); no block
+reduces over a data-dependent loop across threads (edge loops stay serial in
+one thread).
+"""
+
+from __future__ import annotations
+
+THREADS = 256  # threads per block
+WARP = 32
+MAX_THREADS = 1024
+
+# Extra definer parameters for the CUDA variant of some kernel kinds (their CPU defaults
+# keep CPU kernels unchanged).  More row chunks: a GPU wants thousands of threads.
+DEFINITION_PARAMS = {
+    "colsum": {"gpu": True, "chunks": 256},
+    "matmul_tn": {"gpu": True, "chunks": 128},
+}
+
+
+# ---------------------------------------------------------------------- helpers
+def _static_extent(sch, loop):
+    ext = sch.get(loop).extent
+    return int(ext) if hasattr(ext, "value") or isinstance(ext, int) else None
+
+
+def _pow2_at_least(x: int) -> int:
+    p = 1
+    while p < x:
+        p *= 2
+    return p
+
+
+def lanes_for(width: int) -> int:
+    """Threads across a feature axis of ``width``: a warp, or fewer for narrow rows."""
+    return min(WARP, _pow2_at_least(max(1, width)))
+
+
+def _fuse(sch, loops):
+    if not loops:
+        return None
+    return sch.fuse(*loops) if len(loops) > 1 else loops[0]
+
+
+def _write_index(sch, block, name: str) -> int:
+    for k, region in enumerate(sch.get(block).writes):
+        if region.source.name == name:
+            return k
+    raise KeyError(f"block {sch.get(block).name_hint} writes no buffer {name!r}")
+
+
+def _in_register(sch, block, buffer: str, at) -> None:
+    """Accumulate ``buffer`` of ``block`` in a register, stored once at loop ``at``."""
+    cw = sch.cache_write(block, _write_index(sch, block, buffer), "local")
+    sch.reverse_compute_at(cw, at)
+
+
+def _bind_loops(sch, loops, threads: int = THREADS):
+    """Fuse ``loops`` and spread them over blocks of ``threads``; returns the thread loop."""
+    loop = _fuse(sch, loops)
+    ext = _static_extent(sch, loop)
+    if ext is not None and ext <= threads:
+        sch.bind(loop, "threadIdx.x")
+        return loop
+    bx, tx = sch.split(loop, [None, threads])
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+    return tx
+
+
+def _bind_flat(sch, block, threads: int = THREADS):
+    """All loops of ``block`` fused, split over blocks of ``threads``; returns the thread loop."""
+    loops = sch.get_loops(block)
+    return _bind_loops(sch, loops if loops else [sch.add_unit_loop(block)], threads)
+
+
+def _bind_rows(sch, block, n_row_loops: int = 1):
+    """Rows x lanes: the first ``n_row_loops`` loops are rows, the rest (static) features.
+
+    Returns (row thread loop, feature thread loop or None)."""
+    loops = sch.get_loops(block)
+    row = _fuse(sch, loops[:n_row_loops])
+    feat = _fuse(sch, loops[n_row_loops:])
+    width = _static_extent(sch, feat) if feat is not None else 1
+    lanes = lanes_for(width or WARP)
+    rows_per_block = max(1, THREADS // lanes)
+    ro, ri = sch.split(row, [None, rows_per_block])
+    sch.bind(ro, "blockIdx.x")
+    if feat is None:
+        sch.bind(ri, "threadIdx.x")
+        return ri, None
+    sch.bind(ri, "threadIdx.y")
+    _, fi = sch.split(feat, [None, lanes])
+    sch.bind(fi, "threadIdx.x")
+    return ri, fi
+
+
+def _reduce_to_scalar(sch, block) -> None:
+    """A reduction block with no spatial loops over a long axis: one block of THREADS
+    threads, each summing a strided share, then a warp-shuffle tree (deterministic)."""
+    loops = sch.get_loops(block)
+    r = _fuse(sch, loops)
+    unit = sch.add_unit_loop(block)
+    ro, ri = sch.split(r, [None, THREADS])
+    sch.reorder(unit, ri, ro)
+    sch.bind(unit, "blockIdx.x")
+    sch.bind(ri, "threadIdx.x")
+
+
+def _single_thread(sch, block) -> None:
+    """A block of static, tiny work (the final division of a loss)."""
+    _bind_flat(sch, block)
+
+
+# ---------------------------------------------------------------------- sparse kernels
+def _rows_accumulate(sch, block: str, out: str = "out") -> None:
+    blk = sch.get_sblock(block)
+    ri, fi = _bind_rows(sch, blk)
+    _in_register(sch, blk, out, fi if fi is not None else ri)
+
+
+def _agg_rows(sch, spec) -> None:
+    """Baseline aggregation: a warp (or fewer lanes) over a row's features, several rows
+    per block; the row's sum lives in a register."""
+    blk = sch.get_sblock("row")
+    _, fi = _bind_rows(sch, blk)
+    _in_register(sch, blk, "out", fi)
+
+
+AGG_STRATEGIES = {"rows": _agg_rows}
+
+
+def agg_strategy(spec) -> str:
+    """The aggregation schedule for ``spec`` (the only one today: ``rows``)."""
+    return "rows"
+
+
+def _argmax(sch) -> None:
+    blk = sch.get_sblock("row")
+    sch.set_scope(blk, _write_index(sch, blk, "best"), "local")
+    _, fi = _bind_rows(sch, blk)
+    _in_register(sch, blk, "out", fi)
+
+
+def _edge_softmax(sch) -> None:
+    """One thread per (row, head); the row's max and sum stay in registers."""
+    blk = sch.get_sblock("row")
+    sch.set_scope(blk, _write_index(sch, blk, "stat"), "local")
+    _bind_rows(sch, blk)
+
+
+def _degree(sch, weighted: bool) -> None:
+    blk = sch.get_sblock("deg")
+    tx = _bind_flat(sch, blk)
+    if weighted:
+        _in_register(sch, blk, "out", tx)
+
+
+def _edge_dot(sch) -> None:
+    """One thread per (edge, head): the dot product's partial sums in registers."""
+    out = sch.get_sblock("edge_dot")
+    loops = sch.get_loops(out)
+    tx = _bind_loops(sch, loops[:2])
+    part = sch.get_sblock("part")
+    sch.compute_at(part, tx, preserve_unit_loops=True)
+    sch.set_scope(part, 0, "local")
+
+
+# ---------------------------------------------------------------------- dense kernels
+def _matmul(sch, M: int, epilogue: bool) -> None:
+    """Rows x lanes over the output columns; the k loop stays in one thread, its sum in
+    a register (x[i, k] is one broadcast load per warp, w[k, :] coalesced)."""
+    blk = sch.get_sblock("matmul")
+    i, j, k = sch.get_loops(blk)
+    lanes = lanes_for(M)
+    rows_per_block = max(1, THREADS // lanes)
+    io, ii = sch.split(i, [None, rows_per_block])
+    jo, ji = sch.split(j, [None, lanes])
+    sch.reorder(io, jo, ii, ji, k)
+    sch.bind(io, "blockIdx.x")
+    sch.bind(jo, "blockIdx.y")
+    sch.bind(ii, "threadIdx.y")
+    sch.bind(ji, "threadIdx.x")
+    if epilogue:
+        ep = sch.get_sblock("epilogue")
+        sch.set_scope(blk, 0, "local")
+        # the epilogue's loops follow the matmul's split, element by element
+        sch.reverse_compute_at(ep, ji)
+    else:
+        _in_register(sch, blk, "matmul", ji)
+    sch.decompose_reduction(blk, k)
+
+
+def _colsum(sch, F: int) -> None:
+    part = sch.get_sblock("part")
+    _, fi = _bind_rows(sch, part)
+    _in_register(sch, part, "part", fi)
+    _bind_flat(sch, sch.get_sblock("sum"))
+
+
+def _matmul_tn(sch) -> None:
+    """GPU definition (``gpu=True``): per chunk of rows, one thread per output element."""
+    part = sch.get_sblock("part")
+    p, a, b = sch.get_loops(part)
+    ab = sch.fuse(a, b)
+    abo, abi = sch.split(ab, [None, THREADS])
+    sch.bind(p, "blockIdx.x")
+    sch.bind(abo, "blockIdx.y")
+    sch.bind(abi, "threadIdx.x")
+    _in_register(sch, part, "part", abi)
+    _bind_flat(sch, sch.get_sblock("sum"))
+
+
+def _elementwise(sch, name: str) -> None:
+    _bind_flat(sch, sch.get_sblock(name))
+
+
+def _reduce(sch, p) -> None:
+    blk = sch.get_sblock("reduce")
+    symbolic_axis = p["shape"][p["axis"]] == "n"
+    mean = sch.get_sblock("mean") if p["op"] == "mean" else None
+    loops = sch.get_loops(blk)
+    n_spatial = len(loops) - 1  # the reduction loop is innermost
+    if symbolic_axis:
+        # a long reduction: the threads of one block share it (cross-thread reduction),
+        # one block per output element
+        spatial, r = loops[:n_spatial], loops[n_spatial]
+        s = _fuse(sch, spatial) if spatial else sch.add_unit_loop(blk)
+        ro, ri = sch.split(r, [None, THREADS])
+        sch.reorder(s, ri, ro)
+        sch.bind(s, "blockIdx.x")
+        sch.bind(ri, "threadIdx.x")
+        if mean is not None:
+            _bind_flat(sch, mean)
+        return
+    if mean is not None:  # a short reduction per output element, inside the mean's thread
+        tx = _bind_flat(sch, mean)
+        sch.compute_at(blk, tx)
+        sch.set_scope(blk, 0, "local")
+        return
+    if n_spatial:  # a short reduction per output element, in its thread
+        _bind_loops(sch, loops[:n_spatial])
+    else:  # a short reduction to a scalar: one thread
+        unit = sch.add_unit_loop(blk)
+        sch.reorder(unit, *loops)
+        sch.bind(unit, "threadIdx.x")
+
+
+def _softmax(sch) -> None:
+    """Thread per row; the row's max and sum in registers."""
+    out = sch.get_sblock("softmax")
+    loops = sch.get_loops(out)
+    tx = _bind_loops(sch, loops[:-1])
+    for name in ("rowsum", "rowmax"):
+        b = sch.get_sblock(name)
+        sch.compute_at(b, tx)
+        sch.set_scope(b, 0, "local")
+
+
+def _row_stats(sch, tx) -> None:
+    """Per-row softmax statistics of the loss kernels, computed inside the row's thread."""
+    for name in ("rowsum", "exp", "rowmax"):
+        b = sch.get_sblock(name)
+        sch.compute_at(b, tx)
+        sch.set_scope(b, 0, "local")
+
+
+def _cross_entropy(sch) -> None:
+    row = sch.get_sblock("row")
+    tx = _bind_flat(sch, row)
+    _row_stats(sch, tx)
+    for name in ("total", "count"):
+        _reduce_to_scalar(sch, sch.get_sblock(name))
+    _single_thread(sch, sch.get_sblock("loss"))
+
+
+def _cross_entropy_grad(sch) -> None:
+    _reduce_to_scalar(sch, sch.get_sblock("count"))
+    row = sch.get_sblock("row")
+    i, _c = sch.get_loops(row)
+    bx, tx = sch.split(i, [None, THREADS])
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+    _row_stats(sch, tx)
+
+
+# ---------------------------------------------------------------------- dispatch
+def schedule(sch, spec) -> None:
+    p = spec.p
+    kind = spec.kind
+    if kind == "csr_agg":
+        AGG_STRATEGIES[agg_strategy(spec)](sch, spec)
+    elif kind in ("csr_segment", "csr_segment_indirect", "aggregate_max_grad"):
+        _rows_accumulate(sch, "row")
+    elif kind == "argmax_rows":
+        _argmax(sch)
+    elif kind == "edge_softmax":
+        _edge_softmax(sch)
+    elif kind == "degree":
+        _degree(sch, bool(p["weighted"]))
+    elif kind == "take_rows":
+        _elementwise(sch, "take")
+    elif kind == "edge_remap":
+        _elementwise(sch, "remap")
+    elif kind == "scatter_max_grad":
+        _elementwise(sch, "edge")
+    elif kind in ("dropout", "dropout_nnz"):
+        _elementwise(sch, "drop")
+    elif kind == "sym_norm":
+        _elementwise(sch, "norm")
+    elif kind == "edge_dot":
+        _edge_dot(sch)
+    elif kind in ("adam", "sgd"):
+        _elementwise(sch, kind)
+    elif kind in ("ewise", "ewise_grad", "ewise_chain", "broadcast", "slice", "transpose"):
+        _elementwise(sch, "ewise")
+    elif kind == "concat":
+        _elementwise(sch, "concat")
+    elif kind == "matmul":
+        _matmul(sch, p["M"], bool(p.get("epilogue")))
+    elif kind == "matmul_tn":
+        _matmul_tn(sch)
+    elif kind == "colsum":
+        _colsum(sch, p["F"])
+    elif kind == "reduce":
+        _reduce(sch, p)
+    elif kind == "softmax":
+        _softmax(sch)
+    elif kind == "cross_entropy":
+        _cross_entropy(sch)
+    elif kind == "cross_entropy_grad":
+        _cross_entropy_grad(sch)
+    else:
+        raise KeyError(kind)
