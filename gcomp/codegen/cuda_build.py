@@ -328,13 +328,34 @@ def export_with_device_code(lib, path: Path, fmt: str, code: bytes) -> None:
 
 
 def read_packed_imports(so_path: str | Path) -> bytes:
-    """The packed-imports blob of an exported library (the library is mapped, not run)."""
-    import ctypes
-    import tvm_ffi as _  # noqa: F401 - its symbols resolve the library's imports
-    lib = ctypes.CDLL(str(so_path), mode=ctypes.RTLD_GLOBAL)
-    addr = ctypes.addressof(ctypes.c_char.in_dll(lib, LIB_SYMBOL))
-    n = struct.unpack("<Q", ctypes.string_at(addr, 8))[0]
-    return ctypes.string_at(addr, 8 + n)
+    """The packed-imports blob of an exported library, read from the ELF file.
+
+    The library is never loaded: ``dlopen`` of a TVM library outside TVM leaves
+    its context-function pointers null, and (with ``RTLD_GLOBAL``) those null
+    definitions interpose on every TVM library loaded later in the process.
+    """
+    data = Path(so_path).read_bytes()
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        raise ValueError(f"{so_path}: not a 64-bit little-endian ELF library")
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    # section header: name, type, flags, addr, offset, size, link, info, align, entsize
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize)
+                for i in range(shnum)]
+    for sec in sections:
+        if sec[1] != 11:  # SHT_DYNSYM
+            continue
+        strtab = sections[sec[6]]
+        for off in range(sec[4], sec[4] + sec[5], 24):
+            st_name, _, _, st_shndx, st_value, st_size = struct.unpack_from("<IBBHQQ", data, off)
+            start = strtab[4] + st_name
+            if data[start:data.index(b"\0", start)].decode() != LIB_SYMBOL:
+                continue
+            home = sections[st_shndx]  # the section holding the symbol: address -> file offset
+            pos = st_value - home[3] + home[4]
+            n, = struct.unpack_from("<Q", data, pos)
+            return data[pos:pos + 8 + n]
+    raise ValueError(f"{so_path}: no {LIB_SYMBOL} symbol (not an exported TVM library)")
 
 
 # ---------------------------------------------------------------------- build
