@@ -62,7 +62,13 @@ def _save_npy_atomic(path: Path, array) -> None:
 # ---------------------------------------------------------------------- compile
 def _model_from_args(args):
     if str(args.model).endswith(".onnx"):
-        raise GcompError("ONNX import is not available in this version of gcomp")
+        from gcomp.frontend.onnx import import_onnx
+        if getattr(args, "dropout", 0.0):
+            raise GcompError("--dropout applies to bundled models; an ONNX model keeps the "
+                             "layers it was exported with")
+        roles = {"features": args.features_input, "edge_index": args.edge_index_input,
+                 "edge_weight": args.edge_weight_input}
+        return import_onnx(args.model, roles)
     import gcomp.models as models
     return models.build(args.model, in_channels=args.in_channels, hidden=args.hidden,
                         out_channels=args.out_channels, layers=args.layers, heads=args.heads,
@@ -408,6 +414,13 @@ def _model_flags(p) -> None:
     p.add_argument("--edge-weight", action="store_true", help="gcn: take edge weights")
 
 
+def _role_flags(p) -> None:
+    """Which ONNX inputs are which (default: inferred from names, ranks and dtypes)."""
+    p.add_argument("--features-input", metavar="NAME", help="ONNX: the node-feature input")
+    p.add_argument("--edge-index-input", metavar="NAME", help="ONNX: the edge-index input")
+    p.add_argument("--edge-weight-input", metavar="NAME", help="ONNX: the edge-weight input")
+
+
 def _training_flags(p) -> None:
     p.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
     p.add_argument("--lr", type=float, default=0.01)
@@ -426,6 +439,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("-t", "--target", default="llvm", choices=["llvm", "cuda"])
     c.add_argument("-o", "--output", required=True, help="artifact path (.gcomp)")
     _model_flags(c)
+    _role_flags(c)
     c.add_argument("--mcpu", default=None, help="llvm CPU (default: this machine's)")
     c.add_argument("--arch", default=None,
                    help="cuda: GPU architecture, e.g. sm_80, sm_90 (default), sm_100; the "
@@ -444,6 +458,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--train", action="store_true", help="explain the training step")
     e.add_argument("--json", action="store_true")
     _model_flags(e)
+    _role_flags(e)
     _training_flags(e)
     e.set_defaults(func=cmd_explain)
 
@@ -457,7 +472,9 @@ def _parser() -> argparse.ArgumentParser:
     o.set_defaults(func=cmd_opt)
 
     t = sub.add_parser("train", help="train a model on a graph")
-    t.add_argument("model", help="bundled model (gcn, sage, gin, gat) or a --train artifact")
+    t.add_argument("model", help="bundled model (gcn, sage, gin, gat), an .onnx file or a "
+                                 "--train artifact")
+    _role_flags(t)
     t.add_argument("--graph", required=True, help="graph .npz with y (and masks), or a bundled name")
     t.add_argument("--epochs", type=int, default=200)
     t.add_argument("-t", "--target", default="llvm", choices=["llvm", "cuda"],

@@ -12,7 +12,7 @@ values:
 ``Row``         its source or destination row, possibly reshaped/broadcast
 ``EdgeMask``    ``src == dst`` (or its negation) per edge
 ``EdgeIds``     ids of the edges that are (not) self loops: ``NonZero`` of a mask
-``LoopNodes``   the node ids of the self-loop edges
+``LoopNodes``   the node of each self-loop edge
 ``InfMask``     ``t == inf`` for a float tensor ``t``
 ``Adjacency``   a dense ``[N, N]`` adjacency input, bound as a graph
 ``Tensor``      a float tensor the compiled model computes: a node tensor
@@ -22,8 +22,10 @@ A ``Tensor`` is lazy: ``pat`` says how to build it, and IR is emitted only for
 tensors an output needs, so recognized patterns (``DegreeExpr``, ``Product``,
 ``ScatterRed`` ...) can be rewritten into ``degree``/``sym_norm``/``scatter``/
 ``edge_softmax`` before anything is materialized.  ``tag`` records facts that
-only recognition uses (softmax steps, the global minimum PyG's scatter-max
-starts from).
+only recognition uses (the steps of a softmax: ``Shifted``, ``ExpShifted``,
+``SumExp``).  A value that only feeds recognized patterns (PyG's scatter-max
+start value, self-loop weights alone) has an ``Unavailable``-style pattern that
+explains itself if an output needs it after all.
 
 Graphs are ``GraphDesc`` values, interned by structure: removing self loops
 and adding one per node is the same graph as PyG's add_remaining_self_loops,
@@ -152,7 +154,7 @@ class EdgeIds(Value):
 
 
 class LoopNodes(Value):
-    """The node of each self-loop edge of ``gd`` (in edge order), laid along axis 0."""
+    """The node of each self-loop edge of ``gd`` (in edge order); trailing unit axes."""
 
     dtype = "int"
 
@@ -278,10 +280,10 @@ class DegreeExpr(Pattern):
         d.update(kw)
         return DegreeExpr(**d)
 
-    def is_count(self) -> bool:
-        """Plain number of in-edges (PyG's scatter of ones)."""
+    def is_count_clamped(self) -> bool:
+        """max(number of in-edges, 1): the divisor of PyG's mean aggregation."""
         return (self.w is None and self.side == "in" and self.scale == 1.0
-                and self.clamp is None and self.exponent == 1.0)
+                and self.clamp == 1.0 and self.exponent == 1.0 and not self.masked)
 
     def emit(self, ctx, t):
         args = [ctx.graph_ir(self.gd)] + ([ctx.full(self.w)] if self.w is not None else [])
@@ -310,21 +312,8 @@ class Gathered(Pattern):
     side: str
 
     def emit(self, ctx, t):
-        g = ctx.graph_ir(self.gd)
-        inner = self.x.pat
-        if (isinstance(inner, ScatterRed) and inner.reduce == "max" and inner.gd is self.gd
-                and self.side == "dst"):
-            # every gathered destination has an in-edge (this one), so the scatter-max's
-            # starting value only matters through max(init, .): isolated nodes are never read
-            m = ctx.node(Op.GATHER, [g, inner.emit_raw(ctx, self.x)], {"side": "dst"}, t)
-            init = inner.init
-            if isinstance(init, Fill) and np.isfinite(init.value):
-                m = ctx.node(Op.MAXIMUM, [m, ctx.scalar(init.value)], {}, t, suffix="init")
-            elif isinstance(init, Tensor) and not inner.init_below_msg():
-                gi = ctx.node(Op.GATHER, [g, ctx.full(init)], {"side": "dst"}, t, suffix="init")
-                m = ctx.node(Op.MAXIMUM, [m, gi], {}, t, suffix="init")
-            return m
-        return ctx.node(Op.GATHER, [g, ctx.full(self.x)], {"side": self.side}, t)
+        return ctx.node(Op.GATHER, [ctx.graph_ir(self.gd), ctx.full(self.x)],
+                        {"side": self.side}, t)
 
 
 @dataclass(eq=False)
@@ -376,49 +365,28 @@ def _find_sym_norm(fs: list):
 
 @dataclass(eq=False)
 class ScatterRed(Pattern):
-    """out[i] = reduce over edges e into i of msg[e]; ``init`` is the ONNX data it starts from
-    (None: zeros for sum and mean)."""
+    """out[i] = reduce over edges e into i of msg[e]; ``init`` is the ONNX data a max starts
+    from (sum and mean start from zeros)."""
 
     gd: GraphDesc
     reduce: str
     msg: Tensor
     init: Value | None = None
 
-    def emit_raw(self, ctx, t):
-        return ctx.node(Op.SCATTER, [ctx.graph_ir(self.gd), ctx.full(self.msg)],
-                        {"reduce": self.reduce}, t, suffix="scatter" if self.reduce == "max" else "")
-
-    def init_below_msg(self) -> bool:
-        """The start value is at most every message (PyG starts scatter-max at src.min())."""
-        i = unview(self.init) if self.init is not None else None
-        if isinstance(i, Fill):
-            return i.value == -np.inf
-        return isinstance(i, Tensor) and isinstance(i.tag, GlobalMin) and i.tag.e is self.msg
-
     def emit(self, ctx, t):
-        out = self.emit_raw(ctx, t)
-        if self.reduce != "max" or self.init is None:
+        out = ctx.node(Op.SCATTER, [ctx.graph_ir(self.gd), ctx.full(self.msg)],
+                       {"reduce": self.reduce}, t, suffix="scatter" if self.reduce == "max" else "")
+        if self.reduce != "max":
             return out
-        init = self.init
-        # the IR's scatter-max gives isolated nodes 0; ONNX gives them the start value
-        if isinstance(init, Fill) and init.value >= 0:
-            return ctx.node(Op.MAXIMUM, [out, ctx.scalar(init.value)], {}, t, suffix="init")
+        # the IR's scatter-max gives isolated nodes 0; ONNX starts every node at ``init``
+        v = self.init.value if isinstance(self.init, Fill) else None
+        if isinstance(self.init, Known) and self.init.uniform() is not None:
+            v = self.init.uniform()
+        if v is not None and v >= 0:  # max(init, scatter_max) also covers isolated nodes
+            return ctx.node(Op.MAXIMUM, [out, ctx.scalar(v)], {}, t, suffix="init")
         raise ModelImportError(
             "a scatter-max that starts from a negative or data-dependent value is only "
-            "supported when it is read back at the destination of each edge (as in a softmax)")
-
-
-@dataclass(eq=False)
-class Remap(Pattern):
-    """Values of ``w`` (an edge tensor of gd's parent) carried onto the derived graph ``gd``."""
-
-    gd: GraphDesc
-    w: Tensor
-    fill: float = 1.0
-
-    def emit(self, ctx, t):
-        return ctx.node(Op.EDGE_REMAP, [ctx.graph_ir(self.gd), ctx.full(self.w)],
-                        {"fill": float(self.fill)}, t)
+            "supported inside a softmax (exp(e - max[dst]) / sum[dst])")
 
 
 @dataclass(eq=False)
@@ -431,8 +399,22 @@ class EdgeSoftmax(Pattern):
 
 
 @dataclass(eq=False)
+class Remap(Pattern):
+    """Values of ``w`` (an edge tensor of gd's parent) carried onto the derived graph ``gd``;
+    a self loop ``gd`` adds takes the parent's (last) loop value, else ``fill``."""
+
+    gd: GraphDesc
+    w: Tensor
+    fill: float = 1.0
+
+    def emit(self, ctx, t):
+        return ctx.node(Op.EDGE_REMAP, [ctx.graph_ir(self.gd), ctx.full(self.w)],
+                        {"fill": float(self.fill)}, t)
+
+
+@dataclass(eq=False)
 class LoopVals(Pattern):
-    """w on the self-loop edges of ``gd`` (an intermediate of add_remaining_self_loops)."""
+    """w on the self-loop edges of ``gd``: only PyG's add_remaining_self_loops reads it."""
 
     gd: GraphDesc
     w: Tensor
@@ -444,7 +426,7 @@ class LoopVals(Pattern):
 
 @dataclass(eq=False)
 class LoopFill(Pattern):
-    """[N] tensor: ``fill``, overwritten by w on each node's (last) self loop of ``gd``."""
+    """[N]: ``fill``, overwritten by w on each node's (last) self loop of ``gd``."""
 
     gd: GraphDesc
     w: Tensor
@@ -455,15 +437,22 @@ class LoopFill(Pattern):
                                "appended to the edge values (PyG's add_remaining_self_loops)")
 
 
+@dataclass(eq=False)
+class DenseAggregate(Pattern):
+    """A @ x for a dense adjacency input A bound as the graph ``gd``: a sum aggregation."""
+
+    gd: GraphDesc
+    x: Tensor
+
+    def emit(self, ctx, t):
+        return ctx.node(Op.AGGREGATE, [ctx.graph_ir(self.gd), ctx.full(self.x)],
+                        {"reduce": "sum"}, t)
+
+
 # ---------------------------------------------------------------- recognition tags
 @dataclass(eq=False)
-class GlobalMin:
-    e: Tensor
-
-
-@dataclass(eq=False)
 class Shifted:
-    """e - S[dst] with S the scatter-max of e: a softmax numerator's exponent."""
+    """e - m[dst] for a node tensor m: the exponent of a softmax numerator."""
 
     gd: GraphDesc
     e: Tensor
@@ -479,6 +468,8 @@ class ExpShifted:
 
 @dataclass(eq=False)
 class SumExp:
+    """sum over in-edges of exp(e - m[dst]) (plus at most a tiny epsilon)."""
+
     gd: GraphDesc
     e: Tensor
     s: Tensor
@@ -495,7 +486,6 @@ class Emitter:
         self.graphs: dict[str, GraphDesc] = {}
         self._param_nodes: dict[tuple, Node] = {}
         self._scalars: dict[float, Node] = {}
-        self.initializers: dict[str, np.ndarray] = {}
 
     # ------------------------------------------------------------ graphs
     def intern(self, key: str, kind: str, parent: GraphDesc | None, num_edges: Dim) -> GraphDesc:

@@ -1,0 +1,395 @@
+"""ONNX import: PyG exports compile to models that reproduce PyG; edge cases; errors; CLI.
+
+The committed corpus (``models/onnx``, made by ``models/export_onnx.py``) holds
+PyG GCN / GraphSAGE / GIN / GAT exports (2 and 3 layers, opsets 16-18 with
+``dynamo=False``, opset 20 with ``dynamo=True``) and PyG's outputs on a fixed
+graph: those tests need no torch.  Tests that run PyG itself skip without it.
+Hand-built graphs (onnx.helper) check the cases exporters rarely produce, with
+onnx's reference evaluator as the oracle.
+"""
+
+import functools
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from conftest import awkward_graph, rel_err
+from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+import gcomp.models as models
+from gcomp.cli import main
+from gcomp.compiler import compile_model
+from gcomp.errors import ModelImportError
+from gcomp.frontend.onnx import import_onnx, import_proto
+from gcomp.model import Model
+from gcomp.runtime.data import GraphData, load_graph
+from gcomp.runtime.trainer import Trainer
+
+CORPUS = Path(models.__file__).parent / "onnx"
+FIX = np.load(CORPUS / "fixtures.npz")
+STEMS = sorted(p.stem for p in CORPUS.glob("*.onnx"))
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(stem: str):
+    model = import_onnx(CORPUS / f"{stem}.onnx")
+    return model, compile_model(model)
+
+
+def _parse(stem: str):
+    """``gcn2w_opset18`` -> ("gcn", 2, True): layer type, layers, takes edge weights."""
+    kind, layers, w = re.match(r"([a-z]+)(\d+)(w?)_", stem).groups()
+    return kind, int(layers), bool(w)
+
+
+def fixed_graph(stem: str) -> GraphData:
+    w = FIX["edge_weight"] if _parse(stem)[2] else None
+    return GraphData("fixed", FIX["x"].shape[0], FIX["edge_index"], FIX["x"], w)
+
+
+def test_corpus_covers_every_layer_exporter_and_opset():
+    for kind in ("gcn", "sage", "gin", "gat"):
+        for layers in (2, 3):
+            for opset in (16, 17, 18):
+                assert f"{kind}{layers}_opset{opset}" in STEMS
+            if kind != "gat":  # torch 2.13's dynamo exporter fails on GATConv
+                assert f"{kind}{layers}_dynamo" in STEMS
+    assert {"gcn2w_opset18", "gcn2w_dynamo"} <= set(STEMS)
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_compiled_export_reproduces_pyg(stem):
+    _, art = compiled(stem)
+    out = art.run(fixed_graph(stem))[0]
+    ref = FIX[f"out.{stem}"]
+    assert out.shape == ref.shape
+    assert rel_err(out, ref) <= 1e-4, rel_err(out, ref)
+
+
+@pytest.mark.parametrize("stem", [s for s in STEMS if not s.startswith("gat")])
+def test_no_per_edge_feature_buffer(stem):
+    """sum/mean aggregation is fused: per-edge buffers hold at most one value per edge."""
+    _, art = compiled(stem)
+    for name, buf in art.plan.buffers.items():
+        dims = buf["dims"]
+        if any(str(d).startswith("E:") for d in dims):
+            assert all(str(d).startswith("E:") or d == 1 for d in dims), (name, dims)
+
+
+def test_imported_graph_uses_the_ir_graph_ops():
+    ops = {n.op.value for n in import_onnx(CORPUS / "gcn2_opset18.onnx").graph}
+    assert {"self_loops", "sym_norm", "scatter"} <= ops
+    ops = {n.op.value for n in import_onnx(CORPUS / "gat2_opset16.onnx").graph}
+    assert "edge_softmax" in ops
+    ops = {n.op.value for n in compiled("sage2_dynamo")[1].graphs["inference"]}
+    assert "aggregate" in ops and "scatter" not in ops and "gather" not in ops
+    ops = {n.op.value for n in import_onnx(CORPUS / "gcn2w_dynamo.onnx").graph}
+    assert {"self_loops", "edge_remap", "sym_norm"} <= ops
+
+
+# ---------------------------------------------------------------------- PyG itself
+def _pyg_net(stem):
+    """The PyG module the corpus file was exported from (skip if this torch makes others)."""
+    pytest.importorskip("torch_geometric", reason="PyG parity needs torch-geometric")
+    from gcomp.models.export_onnx import build
+    kind, layers, _ = _parse(stem)
+    net = build(kind, layers)
+    if rel_err(_pyg_out(net, fixed_graph(stem)), FIX[f"out.{stem}"]) > 1e-5:
+        pytest.skip("this torch version initializes the corpus models differently")
+    return net
+
+
+def _pyg_out(net, g: GraphData):
+    import torch
+    w = None if g.edge_weight is None else torch.from_numpy(g.edge_weight)
+    with torch.no_grad():
+        return net(torch.from_numpy(np.asarray(g.x, np.float32)),
+                   torch.from_numpy(np.asarray(g.edge_index, np.int64)), w).numpy()
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_pyg_parity_on_awkward_and_cora_graphs(stem):
+    net = _pyg_net(stem)
+    _, art = compiled(stem)
+    weighted = _parse(stem)[2]
+    cora = load_graph("cora")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((cora.num_nodes, 16)).astype(np.float32)
+    w = rng.uniform(0.2, 2, cora.edge_index.shape[1]).astype(np.float32) if weighted else None
+    graphs = [awkward_graph(num_nodes=70, num_edges=400, num_features=16, seed=s,
+                            edge_weight=weighted) for s in (0, 1)]
+    graphs.append(GraphData("cora16", cora.num_nodes, cora.edge_index, x, w))
+    for g in graphs:
+        out, ref = art.run(g)[0], _pyg_out(net, g)
+        assert rel_err(out, ref) <= 1e-4, (g.name, rel_err(out, ref))
+
+
+@pytest.mark.parametrize("kind,opset", [("gcn", 16), ("sage", 17), ("gin", 18), ("gat", 17),
+                                        ("gcn", None)])
+def test_fresh_export_of_a_cora_model(kind, opset, tmp_path):
+    """Export with this torch at Cora's width, as a user would, and compare on Cora."""
+    pytest.importorskip("torch_geometric", reason="exporting needs torch-geometric")
+    if opset is None:
+        pytest.importorskip("onnxscript", reason="dynamo=True exports need onnxscript")
+    from gcomp.models import export_onnx as ex
+    cora = load_graph("cora")
+    x = np.asarray(cora.dense_x(), np.float32)
+    old = ex.IN
+    ex.IN = x.shape[1]
+    try:
+        net = ex.build(kind, 2, seed=3)
+        path = tmp_path / "m.onnx"
+        ex.export(net, x[:30], FIX["edge_index"], path, opset)
+    finally:
+        ex.IN = old
+    art = compile_model(import_onnx(path))
+    g = GraphData("cora", cora.num_nodes, cora.edge_index, x)
+    assert rel_err(art.run(g)[0], _pyg_out(net, g)) <= 1e-4
+
+
+# ---------------------------------------------------------------------- training
+def _labelled(g: GraphData, classes: int) -> GraphData:
+    rng = np.random.default_rng(0)
+    g.y = rng.integers(0, classes, g.num_nodes)
+    g.train_mask = rng.random(g.num_nodes) < 0.7
+    g.val_mask = g.test_mask = ~g.train_mask
+    return g
+
+
+@pytest.mark.parametrize("stem", ["gcn2_opset18", "sage2_dynamo", "gcn3_dynamo", "sage3_opset16",
+                                  "gcn2w_opset18"])
+def test_imported_model_trains_like_the_bundled_model(stem):
+    imported = import_onnx(CORPUS / f"{stem}.onnx")
+    name, layers, weighted = _parse(stem)
+    bundled = models.build(name, 16, hidden=8, out_channels=4, layers=layers,
+                           edge_weight=weighted)
+    # the same weights in the bundled model (dynamo keeps torch's [out, in] layout)
+    flipped = {n.inputs[1].name for n in imported.graph
+               if n.op.value == "matmul" and n.attrs["trans_b"]}
+    params = {k: v.T.copy() if k in flipped else v for k, v in imported.params.items()}
+    same = Model(bundled.graph, params, bundled.config)
+    g = _labelled(awkward_graph(num_nodes=60, num_edges=300, num_features=16, seed=4,
+                                edge_weight=weighted), 4)
+    a = Trainer(compile_model(imported, train=True), g, seed=0)
+    b = Trainer(compile_model(same, train=True), g, seed=0)
+    la, lb = a.step(), b.step()
+    assert abs(la - lb) <= 1e-5 * abs(lb)
+    ga, gb = a.gradients(), b.gradients()
+    assert set(ga) == set(gb)
+    for k in ga:
+        want = gb[k].T if k in flipped else gb[k]
+        assert rel_err(ga[k], want) <= 1e-4, k
+
+
+# ---------------------------------------------------------------------- hand-built graphs
+def _vi(name, elem, dims):
+    return helper.make_tensor_value_info(name, elem, dims)
+
+
+def _const(name, value, dtype=np.int64):
+    return helper.make_node("Constant", [], [name],
+                            value=numpy_helper.from_array(np.asarray(value, dtype)))
+
+
+def _proto(nodes, inputs, outputs, inits=(), opset=18):
+    g = helper.make_graph(nodes, "t", inputs, outputs, initializer=list(inits))
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def _rows(ei="edge_index"):
+    return [_const("c0", 0), _const("c1", 1),
+            helper.make_node("Gather", [ei, "c0"], ["src"], axis=0),
+            helper.make_node("Gather", [ei, "c1"], ["dst"], axis=0)]
+
+
+def _aggregation(F=4, reduction="add", weight=False, opset=18, W=None):
+    """out = scatter_<reduction>(x[src] (* w), dst) @ W: the PyG message-passing shape."""
+    W = np.random.default_rng(1).standard_normal((F, 3)).astype(np.float32) if W is None else W
+    nodes = _rows() + [
+        helper.make_node("Gather", ["x", "src"], ["xj"], axis=0),
+        _const("ax1", [1]),
+        helper.make_node("Shape", ["x"], ["xshape"]),
+        helper.make_node("ConstantOfShape", ["xshape"], ["zeros"],
+                         value=numpy_helper.from_array(np.zeros(1, np.float32))),
+    ]
+    msg = "xj"
+    if weight:
+        nodes += [helper.make_node("Unsqueeze", ["edge_weight", "ax1"], ["w1"]),
+                  helper.make_node("Mul", ["xj", "w1"], ["msg"])]
+        msg = "msg"
+    nodes += [helper.make_node("Unsqueeze", ["dst", "ax1"], ["dst1"]),
+              helper.make_node("Shape", [msg], ["mshape"]),
+              helper.make_node("Expand", ["dst1", "mshape"], ["idx"]),
+              helper.make_node("ScatterElements", ["zeros", "idx", msg], ["agg"], axis=0,
+                               reduction=reduction, name="the_scatter"),
+              helper.make_node("MatMul", ["agg", "W"], ["out"])]
+    inputs = [_vi("x", TensorProto.FLOAT, ["N", F]), _vi("edge_index", TensorProto.INT64, [2, "E"])]
+    if weight:
+        inputs.append(_vi("edge_weight", TensorProto.FLOAT, ["E"]))
+    return _proto(nodes, inputs, [_vi("out", TensorProto.FLOAT, ["N", W.shape[1]])],
+                  [numpy_helper.from_array(W, "W")], opset)
+
+
+def _check_against_onnx(proto, g: GraphData, feeds: dict, tol=1e-4):
+    art = compile_model(import_proto(proto))
+    ref = ReferenceEvaluator(proto).run(None, feeds)[0]
+    out = art.run(g)[0]
+    assert rel_err(out, ref) <= tol, rel_err(out, ref)
+    return art
+
+
+@pytest.mark.parametrize("reduction", ["add", "max"])
+def test_hand_built_scatter(reduction):
+    g = awkward_graph(num_nodes=40, num_edges=150, num_features=4, seed=2)
+    _check_against_onnx(_aggregation(reduction=reduction), g,
+                        {"x": g.dense_x(), "edge_index": g.edge_index.astype(np.int64)})
+
+
+@pytest.mark.parametrize("opset", [16, 20])
+def test_hand_built_edge_weights(opset):
+    proto = _aggregation(weight=True, opset=opset)
+    g = awkward_graph(num_nodes=40, num_edges=150, num_features=4, seed=3, edge_weight=True)
+    assert {i["name"]: i["role"] for i in import_proto(proto).signature()["inputs"]} == \
+        {"x": "node", "edge_index": "graph", "edge_weight": "edge"}
+    _check_against_onnx(proto, g, {"x": g.dense_x(), "edge_index": g.edge_index.astype(np.int64),
+                                   "edge_weight": g.edge_weight})
+
+
+def test_transposed_edge_index():
+    """An [E, 2] edge index, rows taken along axis 1."""
+    nodes = [_const("c0", 0), _const("c1", 1),
+             helper.make_node("Gather", ["ei", "c0"], ["src"], axis=1),
+             helper.make_node("Gather", ["ei", "c1"], ["dst"], axis=1),
+             helper.make_node("Gather", ["feat", "src"], ["xj"], axis=0),
+             helper.make_node("Shape", ["feat"], ["s"]),
+             helper.make_node("ConstantOfShape", ["s"], ["z"],
+                              value=numpy_helper.from_array(np.zeros(1, np.float32))),
+             _const("ax1", [1]),
+             helper.make_node("Unsqueeze", ["dst", "ax1"], ["d1"]),
+             helper.make_node("Shape", ["xj"], ["ms"]),
+             helper.make_node("Expand", ["d1", "ms"], ["idx"]),
+             helper.make_node("ScatterElements", ["z", "idx", "xj"], ["out"], axis=0,
+                              reduction="add")]
+    proto = _proto(nodes, [_vi("feat", TensorProto.FLOAT, ["n", 3]),
+                           _vi("ei", TensorProto.INT64, ["e", 2])],
+                   [_vi("out", TensorProto.FLOAT, ["n", 3])])
+    g = awkward_graph(num_nodes=30, num_edges=100, num_features=3, seed=5)
+    _check_against_onnx(proto, g, {"feat": g.dense_x(), "ei": g.edge_index.T.astype(np.int64)})
+
+
+def test_dense_adjacency_becomes_sparse_aggregation():
+    W = np.random.default_rng(0).standard_normal((5, 2)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["adj", "x"], ["ax"]),
+             helper.make_node("MatMul", ["ax", "W"], ["h"]),
+             helper.make_node("Relu", ["h"], ["out"])]
+    proto = _proto(nodes, [_vi("x", TensorProto.FLOAT, ["N", 5]),
+                           _vi("adj", TensorProto.FLOAT, ["N", "N"])],
+                   [_vi("out", TensorProto.FLOAT, ["N", 2])], [numpy_helper.from_array(W, "W")])
+    model = import_proto(proto)
+    assert [i["role"] for i in model.signature()["inputs"]] == ["graph", "node"]
+    g = awkward_graph(num_nodes=25, num_edges=80, num_features=5, seed=6)
+    A = np.zeros((g.num_nodes, g.num_nodes), np.float32)
+    np.add.at(A, (g.edge_index[1], g.edge_index[0]), 1.0)  # A[i, j]: edges j -> i
+    _check_against_onnx(proto, g, {"x": g.dense_x(), "adj": A})
+    ops = {n.op.value for n in compile_model(model).graphs["inference"]}
+    assert "aggregate" in ops and "matmul" in ops
+
+
+def test_roles_can_be_named():
+    proto = _aggregation()
+    for vi, new in zip(proto.graph.input, ("a", "b")):
+        for n in proto.graph.node:
+            n.input[:] = [new if i == vi.name else i for i in n.input]
+        vi.name = new
+    proto.graph.input[1].type.tensor_type.shape.dim[0].dim_value = 2
+    m = import_proto(proto, roles={"features": "a", "edge_index": "b"})
+    assert m.signature()["inputs"][0]["name"] == "b"
+
+
+# ---------------------------------------------------------------------- errors
+def _raises(proto, *words, roles=None):
+    with pytest.raises(ModelImportError) as e:
+        import_proto(proto, roles)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+def test_unsupported_op_names_node_and_op():
+    proto = _aggregation()
+    proto.graph.node.append(helper.make_node("Det", ["out"], ["d"], name="my_det"))
+    proto.graph.output[0].name = "d"
+    proto.graph.output[0].type.tensor_type.shape.ClearField("dim")
+    _raises(proto, "my_det", "Det", "not supported")
+
+
+def test_unsupported_opset():
+    _raises(_aggregation(opset=13), "opset 13", "16 to 20")
+
+
+def test_missing_roles():
+    proto = _aggregation()
+    proto.graph.input[1].type.tensor_type.shape.dim[0].dim_value = 3  # not [2, E]
+    _raises(proto, "edge-index input", "--edge-index-input")
+    _raises(_aggregation(), "not an input", roles={"edge_index": "nope"})
+
+
+def test_ambiguous_features():
+    proto = _aggregation()
+    proto.graph.input.append(_vi("y2", TensorProto.FLOAT, ["N", 4]))
+    _raises(proto, "cannot infer the role of input(s) y2")
+    proto.graph.input[0].name = "p"
+    for n in proto.graph.node:
+        n.input[:] = ["p" if i == "x" else i for i in n.input]
+    _raises(proto, "which input is the features input", "p, y2", "--features-input")
+
+
+def test_scatter_along_the_source_is_refused():
+    proto = _aggregation()
+    for n in proto.graph.node:
+        if n.op_type == "Unsqueeze" and n.input[0] == "dst":
+            n.input[0] = "src"
+    _raises(proto, "the_scatter", "ScatterElements", "target_to_source")
+
+
+def test_invalid_model_and_missing_file(tmp_path):
+    proto = _aggregation()
+    proto.graph.node[-1].input[0] = "undefined_tensor"
+    with pytest.raises(ModelImportError):
+        import_proto(proto)
+    with pytest.raises(ModelImportError, match="no such file"):
+        import_onnx(tmp_path / "missing.onnx")
+    (tmp_path / "junk.onnx").write_bytes(b"not a protobuf \x00\xff")
+    with pytest.raises(ModelImportError):
+        import_onnx(tmp_path / "junk.onnx")
+
+
+# ---------------------------------------------------------------------- CLI
+def test_cli_compile_and_explain(tmp_path, capsys):
+    out = tmp_path / "m.gcomp"
+    assert main(["compile", str(CORPUS / "gin2_opset17.onnx"), "-t", "llvm", "-o", str(out)]) == 0
+    assert out.exists()
+    assert main(["compile", str(tmp_path / "missing.onnx"), "-o", str(tmp_path / "x.gcomp")]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_cli_train_on_cora(tmp_path, capsys):
+    """``gcomp train model.onnx --graph cora``: a hand-built 1433 -> 7 model."""
+    W = (np.random.default_rng(0).standard_normal((1433, 7)) * 0.05).astype(np.float32)
+    proto = _aggregation(F=1433, W=W)
+    path = tmp_path / "cora_model.onnx"
+    onnx.save(proto, str(path))
+    rc = main(["train", str(path), "--graph", "cora", "--epochs", "5", "--json",
+               "--features-input", "x", "--edge-index-input", "edge_index"])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["epochs"] == 5 and np.isfinite(result["final_loss"])
+
+
+def test_fixed_node_count_is_refused():
+    proto = _aggregation()
+    proto.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 30
+    _raises(proto, "fixed number of nodes (30)", "dynamic_axes")
