@@ -263,6 +263,14 @@ class _Progress:
 
 
 def cmd_train(args) -> int:
+    from gcomp.distributed.launch import run_distributed, world_size
+    if world_size() > 1:  # under mpiexec: one shard per rank (docs/distributed.md)
+        return run_distributed(_train, args)
+    return _train(args)
+
+
+def _train(args, comm=None) -> int:
+    """``comm``: the MPI communicator when this is one rank of a distributed run."""
     import resource
 
     import numpy as np
@@ -288,13 +296,32 @@ def cmd_train(args) -> int:
         args.in_channels = graph.num_features
         args.out_channels = int(graph.y.max()) + 1
         args.edge_weight = False
-        art = compile_model(_model_from_args(args), args.target, train=True,
-                            optimizer=_optimizer_from_args(args), arch=_arch_from_args(args))
+        def build():
+            return compile_model(_model_from_args(args), args.target, train=True,
+                                 optimizer=_optimizer_from_args(args), arch=_arch_from_args(args))
+        if comm is None:
+            art = build()
+        else:
+            from gcomp.distributed.launch import in_turn
+            art = in_turn(comm, build)
     compile_s = time.perf_counter() - t0
-    trainer = Trainer(art, graph, seed=args.seed, reorder=args.reorder)
+    lead = comm is None or comm.rank == 0  # the rank that prints
+    if comm is None:
+        trainer = Trainer(art, graph, seed=args.seed, reorder=args.reorder)
+    else:
+        from gcomp.distributed.trainer import DistributedTrainer
+        parts = None
+        if args.parts:
+            import numpy as np
+            try:
+                parts = np.load(args.parts, allow_pickle=False)
+            except (OSError, ValueError) as e:
+                raise GcompError(f"cannot read the partition {args.parts!r}: {e}") from None
+        trainer = DistributedTrainer(art, graph, seed=args.seed, comm=comm, parts=parts,
+                                     method=args.partition, hosts=args.hosts)
     if args.resume:
         trainer.load(args.resume)
-    progress = _Progress(args.epochs, sys.stderr.isatty() and not args.json)
+    progress = _Progress(args.epochs, sys.stderr.isatty() and not args.json and lead)
     times, loss = [], float("nan")
     best = {"best_val_acc": -1.0}
     for epoch in range(1, args.epochs + 1):
@@ -328,12 +355,37 @@ def cmd_train(args) -> int:
         "step": trainer.step_count,
         **(best if args.best_val else {}),
     }
+    if comm is not None:
+        traffic = comm.allreduce(np.array([float(v) for v in trainer.traffic().values()]))
+        rep = trainer.partition
+        result.update(ranks=comm.size, edge_cut=rep["edge_cut"], halo_rows=rep["halo"],
+                      edge_balance=rep["edge_balance"],
+                      bytes_per_epoch=dict(zip(trainer.traffic(), traffic.tolist())))
+        if not lead:
+            return 0
     if args.json:
         print(json.dumps(result))
     else:
         print(f"{result['model']} on {graph.name}: {args.epochs} epochs, loss {loss:.4f}, "
               f"train {ev['train_acc']:.4f}, val {ev['val_acc']:.4f}, test {ev['test_acc']:.4f}, "
               f"{result['epoch_ms_median'] or 0:.2f} ms/epoch (median)")
+    return 0
+
+
+# ---------------------------------------------------------------------- partition
+def cmd_partition(args) -> int:
+    from gcomp.distributed.partition import format_report, timed_partition
+    from gcomp.runtime.data import load_graph
+
+    graph = load_graph(args.graph)
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        _check_output_path(out, [Path(args.graph)], "partition")
+    parts, rep = timed_partition(graph, args.parts, method=args.method, hosts=args.hosts,
+                                 balance=args.balance, seed=args.seed)
+    if out is not None:
+        _save_npy_atomic(out, parts.astype("int32"))
+    print(json.dumps(rep) if args.json else format_report(rep))
     return 0
 
 
@@ -491,6 +543,12 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", default=None, help="start from this checkpoint")
     t.add_argument("--json", action="store_true", help="print the result as one JSON line")
     _reorder_flag(t)
+    t.add_argument("--partition", default="auto", choices=["auto", "metis", "range", "random"],
+                   help="under mpiexec: how to split the graph across ranks (docs/distributed.md)")
+    t.add_argument("--hosts", type=int, default=None,
+                   help="under mpiexec: partition across this many hosts first, then their ranks")
+    t.add_argument("--parts", default=None,
+                   help="under mpiexec: a .npy with the rank of every node (gcomp partition --out)")
     t.add_argument("--best-val", action="store_true",
                    help="evaluate every epoch; also report the test accuracy at the epoch of "
                         "best validation accuracy (the Planetoid protocol)")
@@ -510,6 +568,19 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true")
     i.add_argument("--graph", default=None, help="also report the planned memory for this graph")
     i.set_defaults(func=cmd_info)
+
+    pa = sub.add_parser("partition", help="split a graph across ranks and report the cost")
+    pa.add_argument("graph", help="graph .npz or a bundled name")
+    pa.add_argument("-k", "--parts", type=int, required=True, help="number of parts (ranks)")
+    pa.add_argument("--method", default="auto", choices=["auto", "metis", "range", "random"])
+    pa.add_argument("--hosts", type=int, default=None,
+                    help="hierarchical: split across hosts first, then each host's ranks")
+    pa.add_argument("--balance", default="edges", choices=["edges", "nodes"],
+                    help="balance in-edges plus nodes (default) or nodes only")
+    pa.add_argument("--seed", type=int, default=0)
+    pa.add_argument("--out", default=None, help="save the part of every node (.npy)")
+    pa.add_argument("--json", action="store_true")
+    pa.set_defaults(func=cmd_partition)
     return p
 
 

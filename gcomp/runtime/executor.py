@@ -43,6 +43,7 @@ class Binding:
     features_src: dict = field(default_factory=dict)  # ids of the features bound with
     order: np.ndarray | None = None  # node order[i] of the user's graph is row i (reorder.py)
     reorder: dict = field(default_factory=dict)  # the cost model's numbers
+    plan_steps: list = field(default_factory=list)  # the plan step of each entry of steps
 
 
 def _rows(a, order):
@@ -128,14 +129,7 @@ class Executor:
         if order is not None:  # every node-indexed array below uses the new numbering
             graph = relabel(graph, order)
             features = {k: _rows(v, order) for k, v in (features or {}).items()}
-        structures: dict[str, GraphStructure] = {}
-        for gspec in self.plan.graphs:
-            if gspec["parent"] is None:
-                structures[gspec["name"]] = GraphStructure.from_edge_index(graph.edge_index,
-                                                                          graph.num_nodes)
-            else:
-                structures[gspec["name"]] = structures[gspec["parent"]].derive(gspec["mode"],
-                                                                                order)
+        structures = self._structures(graph, order)
         sizes = {"N": graph.num_nodes}
         sizes.update({f"E:{k}": s.num_edges for k, s in structures.items()})
         active, sparse = self.choose_variants(graph, features)
@@ -171,7 +165,7 @@ class Executor:
                     out.append(graph_array(a["graph"], a["array"]))
                 elif "nodes" in a:  # the user's id of each row
                     if "nodes" not in arrays:
-                        ids = order if order is not None else np.arange(graph.num_nodes)
+                        ids = self._node_ids(graph, order)
                         arrays["nodes"] = tvm.runtime.tensor(ids.astype(np.int64), self.device)
                     out.append(arrays["nodes"])
                 elif "features" in a:
@@ -195,16 +189,39 @@ class Executor:
             if inp["role"] == "edge":
                 w = self._edge_input(graph, inp)
                 buffers[inp["name"]].copyfrom(structures[inp["graph"]].to_csr_order(w))
-        for step in self.plan.bind_steps:
-            args = args_of(step)
-            if self._launchable(args):
-                self.functions[step["kernel"]](*args)
-        b.steps = [(self.functions[s["kernel"]], args) for s in self.plan.steps
-                   if s.get("when", None) in active | {None} and s.get("unless") not in active
-                   for args in [args_of(s)] if self._launchable(args)]
+        self._run_bind_steps(b, [(s, self.functions[s["kernel"]], args)
+                                 for s in self.plan.bind_steps
+                                 for args in [args_of(s)] if self._launchable(args)])
+        run = [(s, args) for s in self.plan.steps
+               if s.get("when", None) in active | {None} and s.get("unless") not in active
+               for args in [args_of(s)] if self._launchable(args)]
+        b.steps = [(self.functions[s["kernel"]], args) for s, args in run]
+        b.plan_steps = [s for s, _ in run]
         b.bind_time_s = time.perf_counter() - t0
         self._binding = b  # one binding at a time: buffers are sized per graph
         return b
+
+    # hooks for runtimes that shard the graph (gcomp/distributed/halo.py overrides them)
+    def _structures(self, graph: GraphData, order) -> dict[str, GraphStructure]:
+        """CSR/CSC structure of every graph value of the plan, for the (reordered) graph."""
+        structures: dict[str, GraphStructure] = {}
+        for gspec in self.plan.graphs:
+            if gspec["parent"] is None:
+                structures[gspec["name"]] = GraphStructure.from_edge_index(graph.edge_index,
+                                                                          graph.num_nodes)
+            else:
+                structures[gspec["name"]] = structures[gspec["parent"]].derive(gspec["mode"],
+                                                                                order)
+        return structures
+
+    def _node_ids(self, graph: GraphData, order) -> np.ndarray:
+        """The user's id of each node row (dropout masks hash it)."""
+        return order if order is not None else np.arange(graph.num_nodes)
+
+    def _run_bind_steps(self, binding: Binding, steps: list) -> None:
+        """Run the bind-phase kernels: ``steps`` holds (plan step, function, args)."""
+        for _, fn, args in steps:
+            fn(*args)
 
     def _launchable(self, args) -> bool:
         """False for a GPU kernel whose output (its last argument) is empty: its grid would

@@ -1,0 +1,1 @@
+"""Training across MPI ranks (docs/distributed.md): partition, halo runtime, trainer."""

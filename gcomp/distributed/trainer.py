@@ -1,0 +1,154 @@
+"""Training across MPI ranks: the ``Trainer`` interface over one graph shard per rank.
+
+    # mpiexec -n 4 python train.py
+    trainer = DistributedTrainer(artifact, load_graph("cora"), seed=0)
+    for epoch in range(200):
+        loss = trainer.step()     # the global loss, the same on every rank
+    print(trainer.evaluate())     # global accuracies, the same on every rank
+    trainer.save("ck.npz")        # rank 0 writes (atomically); the others wait
+
+Every rank loads the whole graph file, rank 0 partitions it (``partition.py``)
+and broadcasts the parts, each rank cuts its shard (``halo.py``).  Parameters,
+optimizer state and the step counter are replicated and stay bitwise equal
+(same all-reduced gradients, same update), so a checkpoint is what one process
+would save and resumes on any number of ranks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gcomp.errors import ArtifactError, InputError
+from gcomp.distributed.halo import (Comm, DistExecutor, build_shard, fused_epilogues,
+                                    local_graph)
+from gcomp.distributed.launch import maybe_fault
+from gcomp.distributed.partition import check_parts, partition_graph, partition_report
+from gcomp.runtime.data import GraphData
+from gcomp.runtime.trainer import Trainer, masks_of
+
+
+class DistributedTrainer(Trainer):
+    def __init__(self, artifact, graph: GraphData, seed: int = 0, comm: Comm | None = None,
+                 parts: np.ndarray | None = None, method: str = "auto", hosts: int | None = None):
+        """``graph``: the whole graph (every rank loads it); ``parts``: a partition to use
+        (default: rank 0 computes one with ``method``/``hosts`` and broadcasts it)."""
+        if artifact.train_plan is None:
+            raise ArtifactError("this artifact was compiled for inference; compile it with "
+                                "--train (compile_model(..., train=True)) to train")
+        self.comm = comm or Comm()
+        rank, size = self.comm.rank, self.comm.size
+        self.artifact, self.graph, self.seed = artifact, graph, int(seed)
+        self.train_mask, self.val_mask, self.test_mask = masks_of(graph, seed)
+        n_classes = self._num_classes()
+        if int(graph.y.max()) >= n_classes:
+            raise InputError(f"graph {graph.name!r} has labels up to {int(graph.y.max())}, but the "
+                             f"model predicts {n_classes} classes")
+        if parts is None:
+            parts = None if rank else partition_graph(graph, size, method, hosts, seed=seed)
+            parts = self.comm.bcast(parts, what="partition broadcast")
+        self.parts = check_parts(parts, graph.num_nodes, size)
+        self.partition = partition_report(graph, self.parts, size)
+        self.shard = sh = build_shard(graph, self.parts, rank, size)
+        lib = artifact.library()
+        dev = artifact.device()
+        if dev.dlpack_device_type() != 1:  # kDLCPU; see docs/distributed.md for GPUs
+            raise InputError("distributed training runs CPU (llvm) artifacts for now; one rank "
+                             "per GPU is described in docs/distributed.md")
+        self.store: dict = {}
+        self.train_ex = DistExecutor(artifact.train_plan, lib, artifact.params, self.store, dev,
+                                     sh, self.comm, graph)
+        self.eval_ex = DistExecutor(artifact.plan, lib, artifact.params, self.store, dev,
+                                    sh, self.comm, graph)
+        self.train_ex.epilogues = self.eval_ex.epilogues = fused_epilogues(
+            (artifact.ir or {}).values())
+        self.step_count = 0
+        own = sh.gids[:sh.n_own]
+        local_train = np.zeros(sh.n_local, bool)
+        local_train[:sh.n_own] = self.train_mask[own]
+        total = int(self.train_mask.sum())
+        self.train_ex.loss_scale = float(local_train.sum()) / total
+        for s in artifact.train_plan.steps:  # the loss gradient's seed: local / global count
+            if s["op"] == "cross_entropy_grad":
+                seed_buf = s["args"][0]["buf"]
+                if seed_buf not in artifact.train_plan.consts:
+                    raise InputError("distributed training needs the loss to be the last op")
+                self.train_ex.set(seed_buf, self.train_ex.loss_scale)
+        self._local = lg = local_graph(sh, graph)
+        x = lg.x if lg.x is not None else lg.dense_x()
+        self._binding = self.train_ex.bind(lg)
+        self.bind_time_s = self._binding.bind_time_s
+        feeds = {"labels": np.where(lg.y >= 0, lg.y, 0).astype(np.int32),
+                 "train_mask": local_train.astype(np.float32)}
+        for inp in self.train_ex.node_inputs():
+            if inp["name"] not in feeds:
+                feeds[inp["name"]] = x
+        self._binding = self.train_ex.feed(self._binding, feeds)
+        self._x = x
+
+    def step(self) -> float:
+        """One training step on every rank; returns the global loss before the update."""
+        maybe_fault(self.rank, self.step_count + 1)
+        return super().step()
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def size(self) -> int:
+        return self.comm.size
+
+    # ------------------------------------------------------------------ evaluation
+    def local_logits(self) -> np.ndarray:
+        """Eval-mode logits of this rank's owned nodes (global ids: ``shard.gids[:n_own]``)."""
+        b = self.eval_ex.bind(self._local)
+        b = self.eval_ex.feed(b, {i["name"]: self._x for i in self.eval_ex.node_inputs()})
+        self.eval_ex.execute(b)
+        return self.eval_ex.outputs(b)[0][:self.shard.n_own]
+
+    def logits(self) -> np.ndarray:
+        """Logits of all nodes, in the user's order, on every rank (an all-gather)."""
+        z = self.local_logits()
+        parts = self.comm.comm.allgather((self.shard.gids[:self.shard.n_own], z))
+        out = np.empty((self.graph.num_nodes, z.shape[1]), z.dtype)
+        for ids, v in parts:
+            out[ids] = v
+        return out
+
+    def evaluate(self) -> dict:
+        z = self.local_logits().astype(np.float64)
+        own = self.shard.gids[:self.shard.n_own]
+        y = self.graph.y[own]
+        lse = np.log(np.exp(z - z.max(1, keepdims=True)).sum(1)) + z.max(1)
+        pred = z.argmax(1)
+        tm = self.train_mask[own]
+        sums = [float((lse[tm] - z[tm, y[tm]]).sum()), float(tm.sum())]
+        for m in (self.train_mask, self.val_mask, self.test_mask):
+            mo = m[own]
+            sums += [float((pred[mo] == y[mo]).sum()), float(mo.sum())]
+        s = self.comm.allreduce(np.array(sums), "evaluation all-reduce")
+
+        def ratio(a, n):
+            return float(a / n) if n else float("nan")
+        return {"loss": ratio(s[0], s[1]), "train_acc": ratio(s[2], s[3]),
+                "val_acc": ratio(s[4], s[5]), "test_acc": ratio(s[6], s[7])}
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, path):
+        """Rank 0 writes (parameters and state are the same on every rank); all wait for it."""
+        err = None
+        if self.rank == 0:
+            try:
+                path = super().save(path)
+            except Exception as e:  # noqa: BLE001 - re-raised after the others know
+                err = e
+        failed = self.comm.bcast(err is not None, what="checkpoint")
+        if err is not None:
+            raise err
+        if failed:
+            raise InputError(f"rank 0 could not write the checkpoint {str(path)!r}")
+        return path
+
+    def traffic(self) -> dict:
+        """Bytes this rank moves per training step (and what an all-gather would move)."""
+        return dict(self.train_ex.traffic)

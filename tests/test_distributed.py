@@ -1,0 +1,247 @@
+"""Distributed training (gcomp/distributed): partitions, shards, and 1/2/4-rank runs.
+
+The MPI tests start ``mpiexec -n 2`` / ``-n 4`` in subprocesses with timeouts (the
+ranks may share two cores, so graphs are small) and are skipped without mpiexec.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from gcomp.distributed.partition import check_parts, partition_graph, partition_report
+from gcomp.errors import InputError
+from gcomp.runtime.data import load_graph
+
+MPIEXEC = shutil.which("mpiexec")
+needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found (pip install mpich)")
+MODELS = ("gcn", "sage", "gin", "gat")
+EPOCHS = 20
+
+
+# ---------------------------------------------------------------------- partitions (no MPI)
+@pytest.fixture(scope="module")
+def cora():
+    return load_graph("cora")
+
+
+@pytest.mark.parametrize("kw", [{}, {"method": "range"}, {"method": "random"}, {"hosts": 2}])
+def test_partition_parts_are_valid_and_balanced(cora, kw):
+    parts = partition_graph(cora, 4, **kw)
+    assert parts.shape == (cora.num_nodes,) and set(np.unique(parts)) == {0, 1, 2, 3}
+    rep = partition_report(cora, parts, 4)
+    assert sum(rep["nodes"]) == cora.num_nodes and sum(rep["edges"]) == cora.num_edges
+    if kw.get("method") != "random":
+        assert rep["edge_balance"] < 1.2
+    if not kw.get("method"):
+        assert rep["edge_cut_fraction"] < 0.1 and rep["halo_vs_allgather"] < 0.1
+
+
+def test_hierarchical_keeps_host_cut_small(cora):
+    flat = partition_report(cora, partition_graph(cora, 4), 4)
+    hier = partition_graph(cora, 4, hosts=2)
+    host = hier // 2
+    src, dst = cora.edge_index
+    assert (host[src] != host[dst]).sum() <= flat["edge_cut"]
+
+
+def test_invalid_partitions_are_refused(cora):
+    n = cora.num_nodes
+    for bad, msg in [(np.zeros(n - 1, int), "one part per node"),
+                     (np.full(n, 2), "lie in 0..1"),
+                     (np.zeros(n, int), "own no node"),
+                     (np.full(n, 0.5), "integers")]:
+        with pytest.raises(InputError, match=msg):
+            check_parts(bad, n, 2)
+    with pytest.raises(InputError, match="positive"):
+        partition_graph(cora, 0)
+    with pytest.raises(InputError, match="must divide"):
+        partition_graph(cora, 3, hosts=2)
+
+
+def test_shards_cover_every_edge_once(cora):
+    from gcomp.distributed.halo import build_shard, local_structures
+    k = 3
+    parts = partition_graph(cora, k)
+    plan_graphs = [{"name": "g", "parent": None, "mode": None},
+                   {"name": "s", "parent": "g", "mode": "add_remaining"}]
+    shards = [build_shard(cora, parts, r, k) for r in range(k)]
+    seen = []
+    for sh in shards:
+        st = local_structures(sh, cora, plan_graphs)
+        g, s = st["g"], st["s"]
+        seen.append(g.perm)
+        # every local edge is a global edge into an owned node, same source
+        assert (sh.gids[g.indices] == cora.edge_index[0][g.perm]).all()
+        assert (sh.gids[g.rows] == cora.edge_index[1][g.perm]).all()
+        assert g.indptr[sh.n_own] == g.num_edges  # halo rows have no in-edges
+        # interior rows read owned rows only
+        assert (g.indices[:g.indptr[sh.n_int]] < sh.n_own).all()
+        # each owned node gets one self loop in the derived graph, none for halo nodes
+        loops = s.origin < 0
+        assert loops.sum() <= sh.n_own and (s.rows[loops] < sh.n_own).all()
+        for p, (a, z) in sh.halo_ranges.items():  # what p sends me is what I hold for p
+            other = shards[p]
+            assert (other.gids[other.send_idx[sh.rank]] == sh.gids[a:z]).all()
+    allp = np.sort(np.concatenate(seen))
+    assert (allp == np.arange(cora.num_edges)).all()
+
+
+# ---------------------------------------------------------------------- MPI runs
+WORKER = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    from gcomp.runtime import artifact
+    from gcomp.runtime.data import load_graph
+    from gcomp.runtime.trainer import Trainer
+    out, graph, epochs, *arts = sys.argv[1:]
+    g = load_graph(graph)
+    res = {}
+    from gcomp.distributed.launch import world_size
+    for path in arts:
+        art = artifact.load(path)
+        if world_size() == 1:
+            tr = Trainer(art, g, seed=0)
+        else:
+            from gcomp.distributed.trainer import DistributedTrainer
+            tr = DistributedTrainer(art, g, seed=0)
+        losses = [tr.step() for _ in range(int(epochs))]
+        res[path] = {"losses": losses, **tr.evaluate(),
+                     "grads": {k: v.tolist() for k, v in tr.gradients().items()}}
+    if getattr(tr, "rank", 0) == 0:
+        json.dump(res, open(out, "w"))
+""")
+
+
+def _mpirun(k: int, argv: list[str], timeout: int = 240, env=None) -> subprocess.CompletedProcess:
+    cmd = ([MPIEXEC, "-n", str(k)] if k > 1 else []) + argv
+    e = dict(os.environ, **(env or {}))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e)
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    import gcomp.models as models
+    from gcomp.compiler import compile_model
+    d = tmp_path_factory.mktemp("dist")
+    paths = []
+    for name in MODELS:
+        m = models.build(name, 1433, hidden=16, out_channels=7, layers=2, heads=2, dropout=0.5)
+        p = d / f"{name}.gcomp"
+        compile_model(m, "llvm", train=True).save(p)
+        paths.append(str(p))
+    (d / "worker.py").write_text(WORKER)
+    return d, paths
+
+
+def _run_worker(artifacts, k: int) -> dict:
+    d, paths = artifacts
+    out = d / f"res{k}.json"
+    r = _mpirun(k, [sys.executable, str(d / "worker.py"), str(out), "cora", str(EPOCHS)] + paths,
+                timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(artifacts):
+    return _run_worker(artifacts, 1)
+
+
+def _compare(ref: dict, got: dict) -> None:
+    for path, a in ref.items():
+        b = got[path]
+        la, lb = np.array(a["losses"]), np.array(b["losses"])
+        assert np.abs(la - lb).max() / np.abs(la).max() <= 1e-4, (path, la, lb)
+        for key in ("train_acc", "val_acc", "test_acc"):
+            assert abs(a[key] - b[key]) <= 2e-3, (path, key, a[key], b[key])
+        for name, g in a["grads"].items():
+            g, h = np.array(g), np.array(b["grads"][name])
+            assert np.abs(g - h).max() <= 1e-4 * max(np.abs(g).max(), 1e-6), (path, name)
+
+
+@needs_mpi
+def test_two_ranks_match_one_process(artifacts, reference):
+    _compare(reference, _run_worker(artifacts, 2))
+
+
+@needs_mpi
+def test_four_ranks_match_one_process(artifacts, reference):
+    _compare(reference, _run_worker(artifacts, 4))
+
+
+def _json_line(stdout: str) -> dict:
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+    assert len(lines) == 1, stdout  # rank 0 alone prints
+    return json.loads(lines[0])
+
+
+@needs_mpi
+def test_cli_train_and_resume_on_another_rank_count(artifacts, tmp_path):
+    _, paths = artifacts
+    gcn = paths[0]
+    gcomp = [sys.executable, "-m", "gcomp.cli"]
+    one = _mpirun(1, gcomp + ["train", gcn, "--graph", "cora", "--epochs", "12", "--json"])
+    assert one.returncode == 0, one.stderr
+    ck = tmp_path / "ck.npz"
+    two = _mpirun(2, gcomp + ["train", gcn, "--graph", "cora", "--epochs", "6", "--json",
+                              "--checkpoint", str(ck)])
+    assert two.returncode == 0, two.stderr
+    first = _json_line(two.stdout)
+    assert first["ranks"] == 2 and first["step"] == 6 and ck.exists()
+    b = first["bytes_per_epoch"]
+    assert b["exchange_bytes"] + b["reduce_bytes"] < 0.2 * b["naive_bytes"]  # Cora cuts well
+    assert not list(tmp_path.glob(".ck.npz.*"))  # no temporary file left behind
+    res = _mpirun(1, gcomp + ["train", gcn, "--graph", "cora", "--epochs", "6", "--json",
+                              "--resume", str(ck)])
+    assert res.returncode == 0, res.stderr
+    a, b = _json_line(one.stdout), _json_line(res.stdout)
+    assert b["step"] == 12
+    assert abs(a["final_loss"] - b["final_loss"]) <= 1e-4 * abs(a["final_loss"])
+    assert a["test_acc"] == pytest.approx(b["test_acc"], abs=2e-3)
+
+
+@needs_mpi
+@pytest.mark.parametrize("kind", ["raise", "die", "hang"])
+def test_a_failing_rank_ends_the_job(artifacts, kind):
+    _, paths = artifacts
+    r = _mpirun(2, [sys.executable, "-m", "gcomp.cli", "train", paths[0], "--graph", "cora",
+                    "--epochs", "50", "--json"], timeout=120,
+                env={"GCOMP_DIST_FAULT": f"1:3:{kind}", "GCOMP_DIST_TIMEOUT": "10"})
+    assert r.returncode != 0
+    assert not [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if kind == "raise":
+        assert "rank 1/2: injected failure at step 3" in r.stderr
+    if kind == "hang":
+        assert "no answer from the other ranks" in r.stderr
+
+
+@needs_mpi
+def test_bad_partition_file_is_a_clear_error(artifacts, tmp_path):
+    _, paths = artifacts
+    bad = tmp_path / "parts.npy"
+    np.save(bad, np.zeros(5, np.int32))
+    r = _mpirun(2, [sys.executable, "-m", "gcomp.cli", "train", paths[0], "--graph", "cora",
+                    "--epochs", "2", "--parts", str(bad)], timeout=120)
+    assert r.returncode == 2
+    assert "one part per node" in r.stderr
+
+
+def test_partition_command(tmp_path):
+    out = tmp_path / "p.npy"
+    r = subprocess.run([sys.executable, "-m", "gcomp.cli", "partition", "cora", "-k", "2",
+                        "--out", str(out), "--json"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["parts"] == 2 and rep["edge_cut"] > 0 and len(rep["halo"]) == 2
+    assert np.load(out).shape == (2708,)
+    r = subprocess.run([sys.executable, "-m", "gcomp.cli", "partition", "cora", "-k", "0"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "gcomp: error:" in r.stderr
