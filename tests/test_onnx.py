@@ -393,3 +393,107 @@ def test_fixed_node_count_is_refused():
     proto = _aggregation()
     proto.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 30
     _raises(proto, "fixed number of nodes (30)", "dynamic_axes")
+
+
+def test_truncated_file_and_missing_initializer(tmp_path):
+    data = (CORPUS / "gcn2_opset18.onnx").read_bytes()
+    (tmp_path / "cut.onnx").write_bytes(data[:len(data) // 2])
+    with pytest.raises(ModelImportError, match="not a readable ONNX model"):
+        import_onnx(tmp_path / "cut.onnx")
+    proto = onnx.load(CORPUS / "gcn2_opset18.onnx")
+    gone = proto.graph.initializer[0].name
+    del proto.graph.initializer[0]
+    with pytest.raises(ModelImportError, match=re.escape(gone)):
+        import_proto(proto)
+
+
+def test_unresolvable_shape_is_a_clear_error():
+    """A Reshape to a data-dependent shape (NonZero of the features) cannot be resolved."""
+    proto = _aggregation()
+    g = proto.graph
+    g.node.extend([helper.make_node("NonZero", ["x"], ["nz"], name="data_nz"),
+                   helper.make_node("Shape", ["nz"], ["nzshape"]),
+                   helper.make_node("Reshape", ["out", "nzshape"], ["out2"])])
+    g.output[0].name = "out2"
+    g.output[0].type.tensor_type.shape.ClearField("dim")
+    _raises(proto, "data_nz", "NonZero", "not supported")
+
+
+# ---------------------------------------------------------------------- fuzzing
+FUZZ_STEMS = ["gcn2_opset18", "sage2_dynamo", "gat2_opset17", "gin2_opset16"]
+
+
+@functools.lru_cache(maxsize=None)
+def _corpus_bytes(stem: str) -> bytes:
+    return (CORPUS / f"{stem}.onnx").read_bytes()
+
+
+def _mutate(proto, data):
+    """One random edit of the kind a broken exporter or a damaged file produces."""
+    from hypothesis import strategies as st
+    nodes = proto.graph.node
+    kind = data.draw(st.sampled_from(["drop", "duplicate", "attribute", "rewire", "output"]))
+    i = data.draw(st.integers(0, len(nodes) - 1))
+    if kind == "drop":
+        del nodes[i]
+    elif kind == "duplicate":
+        nodes.insert(i, nodes[i])
+    elif kind == "rewire" and nodes[i].input:
+        names = sorted({t for n in nodes for t in n.output} | {t.name for t in proto.graph.input})
+        k = data.draw(st.integers(0, len(nodes[i].input) - 1))
+        nodes[i].input[k] = data.draw(st.sampled_from(names))
+    elif kind == "output":
+        outs = sorted({t for n in nodes for t in n.output})
+        proto.graph.output[0].name = data.draw(st.sampled_from(outs))
+    elif nodes[i].attribute:
+        a = nodes[i].attribute[data.draw(st.integers(0, len(nodes[i].attribute) - 1))]
+        if a.type == onnx.AttributeProto.INT:
+            a.i = data.draw(st.integers(-3, 3))
+        elif a.type == onnx.AttributeProto.FLOAT:
+            a.f = data.draw(st.floats(-2, 2, allow_nan=False))
+        elif a.type == onnx.AttributeProto.INTS:
+            a.ints[:] = data.draw(st.lists(st.integers(-3, 3), max_size=3))
+        elif a.type == onnx.AttributeProto.STRING:
+            a.s = data.draw(st.sampled_from([b"add", b"max", b"mul", b"none", b""]))
+        else:
+            nodes[i].attribute.remove(a)
+    return proto
+
+
+def test_fuzzed_models_only_raise_import_errors():
+    """Mutated corpus models either import or raise ModelImportError, never anything else."""
+    hypothesis = pytest.importorskip("hypothesis")
+    from hypothesis import strategies as st
+
+    @hypothesis.settings(max_examples=150, deadline=None, derandomize=True,
+                         suppress_health_check=list(hypothesis.HealthCheck))
+    @hypothesis.given(st.sampled_from(FUZZ_STEMS), st.data())
+    def edit(stem, data):
+        proto = onnx.load_from_string(_corpus_bytes(stem))
+        for _ in range(data.draw(st.integers(1, 3))):
+            proto = _mutate(proto, data)
+        try:
+            import_proto(proto)
+        except ModelImportError:
+            pass
+
+    @hypothesis.settings(max_examples=100, deadline=None, derandomize=True,
+                         suppress_health_check=list(hypothesis.HealthCheck))
+    @hypothesis.given(st.sampled_from(FUZZ_STEMS), st.data())
+    def corrupt(stem, data):
+        raw = bytearray(_corpus_bytes(stem))
+        for _ in range(data.draw(st.integers(1, 8))):
+            raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
+        if data.draw(st.booleans()):
+            del raw[data.draw(st.integers(1, len(raw))):]
+        import tempfile
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / "m.onnx"
+            path.write_bytes(bytes(raw))
+            try:
+                import_onnx(path)
+            except ModelImportError:
+                pass
+
+    edit()
+    corrupt()

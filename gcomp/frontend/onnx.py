@@ -62,12 +62,26 @@ def import_onnx(path, roles: dict | None = None) -> Model:
     return import_proto(proto, roles, name=path.stem, source=path.name)
 
 
+def _check_defined(g) -> None:
+    """Name a tensor that nothing defines (the checker calls it a sorting problem)."""
+    defined = {i.name for i in g.input} | {t.name for t in g.initializer} | {""}
+    produced = {o for n in g.node for o in n.output}
+    for n in g.node:
+        for t in n.input:
+            if t not in defined and t not in produced:
+                raise ModelImportError(
+                    f"ONNX node {n.name!r} ({n.op_type}) reads {t!r}, which is not an input, "
+                    f"an initializer or a node output (a missing initializer?)")
+        defined.update(n.output)
+
+
 def import_proto(proto, roles: dict | None = None, name: str = "onnx_model",
                  source: str = "") -> Model:
     """Import an in-memory ``onnx.ModelProto`` (see ``import_onnx``)."""
     import onnx
 
     _check_opset(proto)
+    _check_defined(proto.graph)
     try:
         onnx.checker.check_model(proto)
         proto = onnx.shape_inference.infer_shapes(proto, strict_mode=False)
