@@ -298,39 +298,27 @@ def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = CHUNKS):
 
     The rows are cut into ``chunks`` contiguous ranges reduced in parallel into partial
     [K, M] sums, then added up: no atomics, deterministic.  ``gpu``: one spatial block
-    per partial-sum element (chunk, a, b) looping over its chunk's rows, for GPU threads
-    (the CPU form loops over a whole [K, M] tile per chunk, for one core each).
+    per partial-sum element (chunk, a, b) looping over its chunk's rows, for GPU threads.
+    The CPU form is a reduction block over each chunk's rows that the CPU schedule tiles
+    so a few rows of the [K, M] partial sum stay in vector registers.
     """
     if gpu:
         return _matmul_tn_gpu(K, M, chunks)
     P = chunks
-
-    @T.prim_func(s_tir=True)
-    def k(x_h: T.handle, y_h: T.handle, out_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        n = T.int64()
-        x = T.match_buffer(x_h, (n, K), "float32", align=4)
-        y = T.match_buffer(y_h, (n, M), "float32", align=4)
-        out = T.match_buffer(out_h, (K, M), "float32", align=4)
-        part = T.sblock_alloc_buffer((P, K, M), "float32")
-        for p in range(P):
-            with T.sblock("part"):
-                vp = T.axis.remap("S", [p])
-                T.reads(x[0:n, 0:K], y[0:n, 0:M])
-                T.writes(part[vp, 0:K, 0:M])
-                for a, b in T.grid(K, M):
-                    part[vp, a, b] = T.float32(0)
-                for i in range(vp * n // P, (vp + 1) * n // P):
-                    for a in range(K):
-                        for b in range(M):
-                            part[vp, a, b] = part[vp, a, b] + x[i, a] * y[i, b]
-        for a, b in T.grid(K, M):
-            with T.sblock("sum"):
-                va, vb = T.axis.remap("SS", [a, b])
-                out[va, vb] = T.float32(0)
-                for q in range(P):
-                    out[va, vb] = out[va, vb] + part[q, va, vb]
-    return k
+    n = te.var("n", "int64")
+    x = te.placeholder((n, K), "float32", name="x")
+    y = te.placeholder((n, M), "float32", name="y")
+    rows = (n + P - 1) // P  # rows per chunk; the last chunk's overhang reads as zero
+    r = te.reduce_axis((0, rows), name="r")
+    part = te.compute(
+        (P, K, M),
+        lambda p, a, b: te.sum(tirx.if_then_else(p * rows + r < n,
+                                                  x[p * rows + r, a] * y[p * rows + r, b],
+                                                  _f32(0)), axis=r),
+        name="part")
+    q = te.reduce_axis((0, P), name="q")
+    out = te.compute((K, M), lambda a, b: te.sum(part[q, a, b], axis=q), name="sum")
+    return te.create_prim_func([x, y, out])
 
 
 def _matmul_tn_gpu(K: int, M: int, P: int):

@@ -77,7 +77,7 @@ def schedule(sch, spec) -> None:
         sch.parallel(p_loop)
         _vector_split(sch, f_loop, spec.p["F"])
     elif kind == "matmul_tn":
-        sch.parallel(sch.get_loops(sch.get_sblock("part"))[0])
+        _matmul_tn(sch, p["K"], p["M"])
     elif kind in ("adam", "sgd"):
         _flat_update(sch, kind, p["S"])
     elif kind == "edge_softmax":
@@ -113,6 +113,25 @@ def _matmul(sch, M: int, epilogue: bool) -> None:
         _vector_split(sch, sch.get_loops(ep)[-1], M)
         sch.set_scope(blk, 0, "local")
     sch.decompose_reduction(blk, k)
+
+
+def _matmul_tn(sch, K: int, M: int) -> None:
+    """Chunks in parallel; within a chunk, TA rows of the [K, M] partial sum accumulate in
+    registers (a local tile, vectorized over M) while the chunk's rows stream past: the
+    untiled loop loaded and stored the whole partial sum for every input row."""
+    blk = sch.get_sblock("part")
+    p, a, b, r = sch.get_loops(blk)
+    ta = next(t for t in (4, 2, 1) if K % t == 0)
+    a0, a1 = sch.split(a, [None, ta])
+    sch.reorder(p, a0, r, a1, b)
+    sch.parallel(p)
+    acc = sch.cache_write(blk, 0, "local")
+    sch.reverse_compute_at(acc, a0)
+    _vector_split(sch, sch.get_loops(acc)[-1], M)
+    sch.unroll(a1)
+    _vector_split(sch, b, M)
+    sch.decompose_reduction(blk, r)
+    _vector_split(sch, sch.get_loops(sch.get_sblock("part_init"))[-1], M)
 
 
 def _static_extent(sch, loop):
