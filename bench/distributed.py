@@ -22,6 +22,12 @@ halo traffic as the largest part's halo rows times the measured bytes per halo r
 and the gradient all-reduce as a ring (2 (P-1)/P bytes, 2 (P-1) latencies); it
 reports T(P) = compute + traffic / bandwidth + latency terms, with no overlap
 assumed (an upper bound; the runtime overlaps interior rows with the exchange).
+A host's compute is that of one single-threaded rank here; faster hosts shrink
+the compute term and bring the point where communication dominates earlier.
+
+Besides the JSON (with machine, versions and command), it writes
+``distributed-latest.md`` (the tables) and ``distributed-scaling.png`` (measured
+and modelled epoch time, split into compute, halo and all-reduce) next to it.
 """
 
 from __future__ import annotations
@@ -111,6 +117,72 @@ def model_scaling(results: list[dict], hosts: list[int], graph_name: str, bandwi
     return out
 
 
+def amortized_until(scaling: list[dict]) -> int | None:
+    """The largest modelled host count at which communication is at most half the epoch."""
+    ok = [s["hosts"] for s in scaling if s["halo_ms"] + s["allreduce_ms"] <= 0.5 * s["epoch_ms"]]
+    return max(ok) if ok else None
+
+
+def markdown(doc: dict) -> str:
+    runs, scaling = doc["runs"], doc["scaling_model"]
+    mib = 2 ** 20
+    lines = [f"Command: `{doc['command']}` ({doc['date_utc']}); machine: "
+             f"{doc['machine'].get('cpu_model', '?')}, {doc['machine'].get('cores_available', '?')} cores; "
+             f"gcomp {doc['versions'].get('gcomp', '?')}, TVM {doc['versions'].get('tvm', '?')}.",
+             "", "| ranks | epoch ms (median) | compute ms (median rank) | halo MiB/epoch "
+             "| naive all-gather MiB/epoch | grad all-reduce MiB/epoch | edge cut | final loss |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        b = r["bytes_per_epoch"]
+        lines.append(
+            f"| {r['ranks']} | {r['epoch_ms']:.1f} | {np.median(r['compute_ms']):.1f} | "
+            f"{(b.get('exchange_bytes', 0) + b.get('reduce_bytes', 0)) / mib:.1f} | "
+            f"{b.get('naive_bytes', 0) / mib:.1f} | {b.get('allreduce_bytes', 0) / mib:.2f} | "
+            f"{r['partition'].get('edge_cut_fraction', 0) * 100:.1f}% | {r['final_loss']:.6f} |")
+    if scaling:
+        net = doc["network"]
+        lines += ["", f"Scaling model ({net['bandwidth'] / 1e9:g} GB/s, {net['latency'] * 1e6:g} us "
+                  "per message, one rank per host, no overlap):", "",
+                  "| hosts | epoch ms | compute ms | halo ms | all-reduce ms | speed-up | "
+                  "efficiency | edge cut |", "|---|---|---|---|---|---|---|---|"]
+        for m in scaling:
+            lines.append(f"| {m['hosts']} | {m['epoch_ms']:.2f} | {m['compute_ms']:.2f} | "
+                         f"{m['halo_ms']:.2f} | {m['allreduce_ms']:.3f} | {m['speedup']:.1f} | "
+                         f"{m['speedup'] / m['hosts'] * 100:.0f}% | "
+                         f"{m['edge_cut_fraction'] * 100:.1f}% |")
+        a = amortized_until(scaling)
+        lines += ["", "Communication stays under half the epoch up to "
+                  f"{a} hosts." if a else "Communication exceeds half the epoch at every "
+                  "modelled host count."]
+    return "\n".join(lines) + "\n"
+
+
+def chart(doc: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    sc = doc["scaling_model"]
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    hosts = [m["hosts"] for m in sc]
+    comp = np.array([m["compute_ms"] for m in sc])
+    halo = np.array([m["halo_ms"] for m in sc])
+    ring = np.array([m["allreduce_ms"] for m in sc])
+    x = np.arange(len(hosts))
+    ax.bar(x, comp, label="compute (model)")
+    ax.bar(x, halo, bottom=comp, label="halo exchange (model)")
+    ax.bar(x, ring, bottom=comp + halo, label="gradient all-reduce (model)")
+    ax.set_xticks(x, [str(h) for h in hosts])
+    ax.set_xlabel("hosts (one rank each)")
+    ax.set_ylabel("ms per training epoch")
+    runs = ", ".join(f"{r['ranks']} rank(s): {r['epoch_ms']:.0f} ms" for r in doc["runs"])
+    ax.set_title(f"{doc['runs'][0]['model']} on {doc['runs'][0]['graph']}; measured here: {runs}",
+                 fontsize=8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.distributed")
     p.add_argument("--graph", default="arxiv-synth")
@@ -164,10 +236,22 @@ def main(argv=None) -> int:
         print(f"model {s['hosts']:>3} hosts: {s['epoch_ms']:.1f} ms/epoch (compute "
               f"{s['compute_ms']:.1f}, halo {s['halo_ms']:.2f}, all-reduce "
               f"{s['allreduce_ms']:.2f}), speedup {s['speedup']:.1f}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"runs": results, "scaling_model": scaling,
-                                          "network": {"bandwidth": args.bandwidth,
-                                                      "latency": args.latency}}, indent=1))
+    from datetime import datetime, timezone
+
+    from bench.env import machine, versions
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"command": "python -m bench.distributed " + " ".join(
+               argv if argv is not None else sys.argv[1:]),
+           "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+           "machine": machine(), "versions": versions(), "threads_per_rank": args.threads,
+           "runs": results, "scaling_model": scaling,
+           "network": {"bandwidth": args.bandwidth, "latency": args.latency}}
+    out.write_text(json.dumps(doc, indent=1))
+    (out.parent / "distributed-latest.md").write_text(markdown(doc))
+    if scaling:
+        chart(doc, out.parent / "distributed-scaling.png")
+    print(markdown(doc))
     return 0
 
 
