@@ -67,6 +67,9 @@ def run_distributed(fn, *args) -> int:
             traceback.print_exc()
         print(f"gcomp: error: rank {comm.rank}/{comm.size}: {msg}", file=sys.stderr, flush=True)
         sys.stdout.flush()
+        # the launcher forwards our stderr asynchronously and drops what it has not read
+        # when the job is torn down: give it a moment, or the error may never be seen
+        time.sleep(1.0)
         comm.comm.Abort(2 if user else 1)
         return 2  # not reached
 
