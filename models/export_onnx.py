@@ -2,7 +2,7 @@
 
     python -m gcomp.models.export_onnx OUTDIR        (or: python models/export_onnx.py OUTDIR)
 
-Needs torch and torch-geometric (the ``[bench]`` extra).  For each layer type,
+Needs torch, torch-geometric and onnxscript (the ``[export]`` extra).  For each layer type,
 with 2 and 3 layers, it writes ``<model><layers>_opset<v>.onnx`` for opsets 16,
 17 and 18 with ``torch.onnx.export(..., dynamo=False, dynamic_axes=...)``, and
 ``<model><layers>_dynamo.onnx`` (opset 20) with ``dynamo=True`` where torch can
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
         import torch
         import torch_geometric  # noqa: F401
     except ImportError as e:
-        print(f"export_onnx needs torch and torch-geometric (pip install gcomp[bench]): {e}",
+        print(f"export_onnx needs torch and torch-geometric (pip install gcomp[export]): {e}",
               file=sys.stderr)
         return 2
     out = Path(args.outdir)
