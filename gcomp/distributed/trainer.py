@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from gcomp.errors import ArtifactError, InputError
+from gcomp.errors import InputError
 from gcomp.distributed.halo import (Comm, DistExecutor, build_shard, fused_epilogues,
                                     local_graph)
 from gcomp.distributed.launch import maybe_fault
 from gcomp.distributed.partition import check_parts, partition_graph, partition_report
 from gcomp.runtime.data import GraphData
-from gcomp.runtime.trainer import Trainer, masks_of
+from gcomp.runtime.trainer import Trainer, require_training
 
 
 class DistributedTrainer(Trainer):
@@ -32,17 +32,11 @@ class DistributedTrainer(Trainer):
                  parts: np.ndarray | None = None, method: str = "auto", hosts: int | None = None):
         """``graph``: the whole graph (every rank loads it); ``parts``: a partition to use
         (default: rank 0 computes one with ``method``/``hosts`` and broadcasts it)."""
-        if artifact.train_plan is None:
-            raise ArtifactError("this artifact was compiled for inference; compile it with "
-                                "--train (compile_model(..., train=True)) to train")
+        require_training(artifact)
         self.comm = comm or Comm()
         rank, size = self.comm.rank, self.comm.size
         self.artifact, self.graph, self.seed = artifact, graph, int(seed)
-        self.train_mask, self.val_mask, self.test_mask = masks_of(graph, seed)
-        n_classes = self._num_classes()
-        if int(graph.y.max()) >= n_classes:
-            raise InputError(f"graph {graph.name!r} has labels up to {int(graph.y.max())}, but the "
-                             f"model predicts {n_classes} classes")
+        self._set_masks(graph, seed)
         if parts is None:
             parts = None if rank else partition_graph(graph, size, method, hosts, seed=seed)
             parts = self.comm.bcast(parts, what="partition broadcast")
@@ -73,17 +67,8 @@ class DistributedTrainer(Trainer):
                 if seed_buf not in artifact.train_plan.consts:
                     raise InputError("distributed training needs the loss to be the last op")
                 self.train_ex.set(seed_buf, self.train_ex.loss_scale)
-        self._local = lg = local_graph(sh, graph)
-        x = lg.x if lg.x is not None else lg.dense_x()
-        self._binding = self.train_ex.bind(lg)
-        self.bind_time_s = self._binding.bind_time_s
-        feeds = {"labels": np.where(lg.y >= 0, lg.y, 0).astype(np.int32),
-                 "train_mask": local_train.astype(np.float32)}
-        for inp in self.train_ex.node_inputs():
-            if inp["name"] not in feeds:
-                feeds[inp["name"]] = x
-        self._binding = self.train_ex.feed(self._binding, feeds)
-        self._x = x
+        self._local = local_graph(sh, graph)
+        self._bind_and_feed(self._local, local_train)
 
     def step(self) -> float:
         """One training step on every rank; returns the global loss before the update."""

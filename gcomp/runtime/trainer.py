@@ -50,14 +50,18 @@ def masks_of(graph: GraphData, seed: int = 0) -> tuple[np.ndarray, np.ndarray, n
     return masks[0], masks[1], masks[2]
 
 
+def require_training(artifact) -> None:
+    if artifact.train_plan is None:
+        raise ArtifactError("this artifact was compiled for inference; compile it with "
+                            "--train (compile_model(..., train=True)) to train")
+
+
 class Trainer:
     def __init__(self, artifact, graph: GraphData, seed: int = 0,
                  variants: dict[str, bool] | None = None, reorder: str = "auto"):
         """``variants`` forces kernel variants on or off (``plan.variants``; default: chosen
         by the graph's statistics); ``reorder`` the node order (``runtime/reorder.py``)."""
-        if artifact.train_plan is None:
-            raise ArtifactError("this artifact was compiled for inference; compile it with "
-                                "--train (compile_model(..., train=True)) to train")
+        require_training(artifact)
         self.artifact = artifact
         self.graph = graph
         self.seed = int(seed)
@@ -69,17 +73,25 @@ class Trainer:
         for ex in (self.train_ex, self.eval_ex):
             ex.force_variants = dict(variants or {})
             ex.reorder = reorder
+        self._set_masks(graph, seed)
+        self.step_count = 0
+        self._bind_and_feed(graph, self.train_mask)
+
+    def _set_masks(self, graph: GraphData, seed: int) -> None:
+        """Train/val/test masks of ``graph``; its labels must fit the model's classes."""
         self.train_mask, self.val_mask, self.test_mask = masks_of(graph, seed)
         n_classes = self._num_classes()
         if int(graph.y.max()) >= n_classes:
             raise InputError(f"graph {graph.name!r} has labels up to {int(graph.y.max())}, but the "
                              f"model predicts {n_classes} classes")
-        self.step_count = 0
+
+    def _bind_and_feed(self, graph: GraphData, train_mask: np.ndarray) -> None:
+        """Bind ``graph`` to the training executor; copy in features, labels and the mask."""
         x = graph.x if graph.x is not None else graph.dense_x()
         self._binding = self.train_ex.bind(graph)
         self.bind_time_s = self._binding.bind_time_s
         feeds = {"labels": np.where(graph.y >= 0, graph.y, 0).astype(np.int32),
-                 "train_mask": self.train_mask.astype(np.float32)}
+                 "train_mask": train_mask.astype(np.float32)}
         for inp in self.train_ex.node_inputs():
             if inp["name"] not in feeds:
                 feeds[inp["name"]] = x
