@@ -13,12 +13,14 @@ def test_edge_offsets_are_64_bit():
     """Graphs with nnz >= 2^31 need 64-bit row offsets and edge loop counters."""
     import re
 
-    f = define(KernelSpec.make("csr_agg", reduce="sum", H=1, C=16, weight="edge"))
-    text = f.script()
-    assert re.search(r'indptr: T.Buffer\(\("n \+ T.int64\(1\)",\), "int64"', text), text
-    assert re.search(r'indices: T.Buffer\(\(nnz,\), "int32"', text)  # node ids: N < 2^31
-    # the edge loop runs between int64 offsets, so its counter is int64 too
-    assert "for j in range(indptr[vi], indptr[vi] + (indptr[vi + T.int64(1)] - indptr[vi]))" in text
+    spec = KernelSpec.make("csr_agg", reduce="sum", H=1, C=16, weight="edge")
+    for target, row in ((None, "vi"), ("llvm", "i")):
+        text = define(spec, target).script()
+        assert re.search(r'indptr: T.Buffer\(\("n \+ T.int64\(1\)",\), "int64"', text), text
+        assert re.search(r'indices: T.Buffer\(\(nnz,\), "int32"', text)  # node ids: N < 2^31
+        # the edge loop runs between int64 offsets, so its counter is int64 too
+        assert (f"for j in range(indptr[{row}], indptr[{row}] + (indptr[{row} + T.int64(1)] - "
+                f"indptr[{row}]))") in text, text
 
 
 @pytest.mark.parametrize("name", ["gcn", "sage", "gin"])

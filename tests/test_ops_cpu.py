@@ -43,6 +43,13 @@ def test_aggregate_weighted(reduce):
     run_both(lambda x, g, w: g.aggregate(x, reduce, weight=w), weighted=True)
 
 
+@pytest.mark.parametrize("F", [1, 40, 45, 100])
+def test_aggregate_feature_widths(F):
+    """Widths one vector loop covers, and wider ones run as vector chunks plus a tail."""
+    run_both(lambda x, g, w: [g.aggregate(x, "sum", weight=w), g.aggregate(x, "max"),
+                              g.aggregate(x, "mean").relu() + x], F=F, weighted=True)
+
+
 @pytest.mark.parametrize("reduce", ["sum", "mean", "max"])
 def test_scatter_of_edge_messages(reduce):
     # a message the fusion pass cannot absorb: relu(x_j - x_i) keeps the E x F path

@@ -52,6 +52,16 @@ def test_model_gradients_equal_the_interpreter(name):
     compiled_vs_interpreted(m, g, 3, seed=2)
 
 
+@pytest.mark.parametrize("name,hidden,heads", [("gat", 20, 3), ("gat", 5, 2), ("sage", 45, 1),
+                                               ("gin", 40, 1)])
+def test_wide_and_odd_feature_widths_train_like_the_interpreter(name, hidden, heads):
+    """Feature loops of 40 to 135 run in vector chunks plus a tail; 5 channels in scalar
+    partial sums (the CPU aggregation and edge-dot kernels)."""
+    g = labelled(awkward_graph(num_nodes=60, num_edges=300, num_features=6, seed=4), 3)
+    m = models.build(name, 6, hidden=hidden, out_channels=3, layers=2, heads=heads, seed=2)
+    compiled_vs_interpreted(m, g, 3, seed=1)
+
+
 @pytest.mark.parametrize("op", sorted(OPS))
 def test_op_gradients_equal_the_interpreter(op):
     g = labelled(awkward_graph(num_nodes=50, num_edges=250, num_features=4, seed=5), 3)

@@ -537,9 +537,11 @@ def _lanes(C: int) -> int:
 def edge_dot(H: int, C: int):
     """out[j, h] = sum_c x[indices[j], h, c] * y[rows[j], h, c]: per-edge dot products
     (the gradient of aggregation weights).  Written as V vector lanes of partial sums
-    (``part``) added at the end, so the products vectorize."""
+    (``part``) added at the end, so the products vectorize.  Edge-parallel: ``indptr``
+    is an argument only for the row-walking CPU definition (``cpu_kernels.py``)."""
     n, m, nnz = (tirx.Var(v, "int64") for v in ("n", "m", "nnz"))
     V = _lanes(C)
+    indptr = te.placeholder((n + 1,), "int64", name="indptr")
     idx = te.placeholder((nnz,), "int32", name="indices")
     rows = te.placeholder((nnz,), "int32", name="rows")
     x = te.placeholder((m, H * C), "float32", name="x")
@@ -549,4 +551,4 @@ def edge_dot(H: int, C: int):
         x[idx[j], h * C + co * V + ci] * y[rows[j], h * C + co * V + ci], axis=co), name="part")
     ci = te.reduce_axis((0, V), name="ci")
     out = te.compute((nnz, H), lambda j, h: te.sum(part[j, h, ci], axis=ci), name="edge_dot")
-    return te.create_prim_func([idx, rows, x, y, out])
+    return te.create_prim_func([indptr, idx, rows, x, y, out])

@@ -2,7 +2,10 @@
 
 A ``KernelSpec`` names a kernel kind and its static parameters (feature widths,
 reduction, attributes).  ``define(spec)`` returns an unscheduled PrimFunc;
-``gcomp/schedules/<target>.py`` then schedules it.  Sizes that depend on the
+``gcomp/schedules/<target>.py`` then schedules it.  A kind whose best loop
+structure differs by target may also have a definition for one target
+(``definer(kind, target="llvm")``, ``define(spec, "llvm")``): it comes with its
+loop kinds chosen and is not scheduled further.  Sizes that depend on the
 graph (nodes ``n``, source rows ``m``, edges ``nnz``) are symbolic int64
 variables, so one compiled kernel serves every graph.  Feature widths are
 static: the CPU backend can only vectorize loops of static extent.
@@ -58,23 +61,29 @@ def _freeze(v):
     return v
 
 
-_DEFINERS = {}
+_DEFINERS = {}  # (kind, target or None) -> definition
 
 
-def definer(kind: str):
+def definer(kind: str, target: str | None = None):
     def reg(fn):
-        _DEFINERS[kind] = fn
+        _DEFINERS[(kind, target)] = fn
         return fn
     return reg
 
 
-def define(spec: KernelSpec):
-    """The unscheduled PrimFunc of ``spec``, named ``spec.name``."""
-    if spec.kind not in _DEFINERS:
+def has_target_definition(kind: str, target: str) -> bool:
+    return (kind, target) in _DEFINERS
+
+
+def define(spec: KernelSpec, target: str | None = None):
+    """The PrimFunc of ``spec`` named ``spec.name``: ``target``'s own definition of the
+    kind if it has one (already scheduled), else the generic, unscheduled one."""
+    fn = _DEFINERS.get((spec.kind, target)) or _DEFINERS.get((spec.kind, None))
+    if fn is None:
         raise CompileError(f"no kernel definition for {spec.kind!r}")
-    func = _DEFINERS[spec.kind](**spec.p)
-    return func.with_attr("global_symbol", spec.name)
+    return fn(**spec.p).with_attr("global_symbol", spec.name)
 
 
 # importing the definition modules registers them
-from gcomp.codegen import aggregate_kernel, dense_kernels, sparse_kernels  # noqa: E402,F401
+from gcomp.codegen import (aggregate_kernel, cpu_kernels, dense_kernels,  # noqa: E402,F401
+                           sparse_kernels)

@@ -495,7 +495,8 @@ class _Lowering:
         self.buffer(n)
         H = int(prod(x.ty.shape[1:-1]))
         spec = KernelSpec.make("edge_dot", H=H, C=int(x.ty.shape[-1]))
-        self.step(n, spec, [self.garr(g, "indices"), self.garr(g, "rows"),
+        self.step(n, spec, [self.garr(g, "indptr"), self.garr(g, "indices"),
+                            self.garr(g, "rows"),
                             self.arg(x, self.flat2(x)), self.arg(y, self.flat2(y)),
                             self.arg(n, [self.lead(n), H])])
 

@@ -1,7 +1,9 @@
 """CPU (LLVM) schedules: row-parallel, feature-vectorized.
 
 Each function takes a ``tvm.s_tir.Schedule`` holding one kernel (see
-``gcomp/codegen/kernels.py``) and its spec.  The common shape: parallelize the
+``gcomp/codegen/kernels.py``) and its spec.  Aggregation and edge dot products
+have CPU definitions of their own, loop kinds included
+(``gcomp/codegen/cpu_kernels.py``), and are not scheduled here.  The common shape: parallelize the
 outermost (row or edge) loop across threads, vectorize the innermost static
 feature loop in chunks the vector unit holds.  Sparse kernels keep their
 data-dependent edge loop inside the block body, so the vectorized feature lanes
@@ -13,18 +15,25 @@ from __future__ import annotations
 VEC = 16  # floats per vectorized chunk: two AVX2 registers, one AVX-512 register
 
 
-def _vector_split(sch, loop, extent: int):
-    """Vectorize ``loop`` (static ``extent``) whole if small, else in VEC-wide chunks."""
+def _partitions(extent: int) -> bool:
+    """Whether ``_vector_split`` must partition a loop of ``extent`` (odd widths)."""
+    return extent > 1 and not (extent <= 2 * VEC and extent % 4 == 0) and \
+        not any(extent % w == 0 for w in (VEC, 8, 4))
+
+
+def _vector_split(sch, loop, extent: int) -> bool:
+    """Vectorize ``loop`` (static ``extent``) whole if small, else in VEC-wide chunks.
+    True when the loop had to be partitioned (its block is then two blocks)."""
     if extent <= 1:
-        return
+        return False
     if extent <= 2 * VEC and extent % 4 == 0:
         sch.vectorize(loop)
-        return
+        return False
     for width in (VEC, 8, 4):
         if extent % width == 0:
             _, inner = sch.split(loop, [None, width])
             sch.vectorize(inner)
-            return
+            return False
     # odd widths (e.g. Cora's 1433 features): a predicated split would run scalar (measured
     # 20x slower), so the loop is partitioned into a divisible part, vectorized, and a tail
     try:
@@ -33,6 +42,7 @@ def _vector_split(sch, loop, extent: int):
         main = loop
     _, inner = sch.split(main, [None, VEC])
     sch.vectorize(inner)
+    return True
 
 
 def _rows(sch, block: str, feature_extent: int | None):
@@ -46,9 +56,7 @@ def _rows(sch, block: str, feature_extent: int | None):
 def schedule(sch, spec) -> None:
     p = spec.p
     kind = spec.kind
-    if kind == "csr_agg":
-        _rows(sch, "row", p["C"])
-    elif kind == "csr_segment":
+    if kind == "csr_segment":
         _rows(sch, "row", p["F"])
     elif kind == "take_rows":
         _rows(sch, "take", p["F"])
@@ -65,8 +73,6 @@ def schedule(sch, spec) -> None:
     elif kind == "dropout_nnz":
         outer, inner = sch.split(sch.get_loops(sch.get_sblock("drop"))[0], [None, 1024])
         sch.parallel(outer)
-    elif kind == "edge_dot":
-        _edge_dot(sch, p["C"])
     elif kind == "argmax_rows":  # data-dependent updates: rows in parallel only
         sch.parallel(sch.get_loops(sch.get_sblock("row"))[0])
     elif kind in ("cross_entropy", "cross_entropy_grad"):
@@ -106,12 +112,16 @@ def _matmul(sch, M: int, epilogue: bool) -> None:
     io, ii = sch.split(i, [None, 16])
     sch.reorder(io, ii, k, j)
     sch.parallel(io)
-    _vector_split(sch, j, M)
     if epilogue:  # applied per row while the row is hot; the sum lives in a local row
-        ep = sch.get_sblock("epilogue")
-        sch.reverse_compute_at(ep, ii)
-        _vector_split(sch, sch.get_loops(ep)[-1], M)
+        sch.reverse_compute_at(sch.get_sblock("epilogue"), ii)
         sch.set_scope(blk, 0, "local")
+    if _vector_split(sch, j, M):
+        # an odd width split the block in two, each keeping its init: handles are stale
+        if epilogue:
+            _vector_split(sch, sch.get_loops(sch.get_sblock("epilogue"))[-1], M)
+        return
+    if epilogue:
+        _vector_split(sch, sch.get_loops(sch.get_sblock("epilogue"))[-1], M)
     sch.decompose_reduction(blk, k)
 
 
@@ -125,6 +135,8 @@ def _matmul_tn(sch, K: int, M: int) -> None:
     a0, a1 = sch.split(a, [None, ta])
     sch.reorder(p, a0, r, a1, b)
     sch.parallel(p)
+    if _partitions(M):  # odd widths: partitioning would split the block under the steps below
+        return
     acc = sch.cache_write(blk, 0, "local")
     sch.reverse_compute_at(acc, a0)
     _vector_split(sch, sch.get_loops(acc)[-1], M)
@@ -201,20 +213,3 @@ def _softmax_rows(sch, C: int) -> None:
     if len(loops) > 1:
         _vector_split(sch, loops[-1], C)
     sch.parallel(i)
-
-
-def _edge_dot(sch, C: int) -> None:
-    """Edges in parallel chunks; per edge and head, V partial sums in a vector register."""
-    from gcomp.codegen.dense_kernels import _lanes
-    out = sch.get_sblock("edge_dot")
-    jo, ji = sch.split(sch.get_loops(out)[0], [None, 256])
-    sch.parallel(jo)
-    part = sch.get_sblock("part")
-    sch.compute_at(part, ji, preserve_unit_loops=True)
-    if _lanes(C) == 1:  # odd channel counts: scalar sums
-        return
-    lanes, head, chunk = sch.get_loops(part)[-3:]  # compute_at orders them like the block's iters
-    sch.reorder(head, chunk, lanes)
-    sch.set_scope(part, 0, "local")
-    sch.vectorize(lanes)  # before decomposing: the update block must stay a reduction
-    sch.decompose_reduction(part, chunk)

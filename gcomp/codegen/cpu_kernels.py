@@ -1,0 +1,164 @@
+"""CPU definitions of the gather-bound sparse kernels, written as loop nests.
+
+Aggregation (``csr_agg``) and the per-edge dot product (``edge_dot``, the
+gradient of attention weights) spend their time fetching the feature rows of
+random neighbours.  The hardware prefetcher cannot predict an indirect address,
+so each row fetch was a cache miss the core waited on.  These definitions walk
+one destination row at a time (rows in parallel) and, for each in-edge, issue a
+software prefetch for the neighbour row ``PREFETCH_DISTANCE`` edges ahead, so
+the misses overlap; the feature loop is vectorized in chunks the vector unit
+holds.  Measured on arxiv-synth (169k nodes, 1.34M edges, 2 threads): weighted
+sum aggregation at 32 features 7.5 -> 5.5 ms, edge dot products at 4 heads x 32
+channels 136 -> 42 ms (half of it from walking rows: each destination row is
+read once instead of once per edge).
+
+The loop kinds (parallel, vectorized) are part of the definition, so the CPU
+schedule leaves these kernels as they are (``gcomp/schedules/cpu.py``); other
+targets keep the generic definitions (``aggregate_kernel.py``,
+``dense_kernels.py``).  Same arguments and results as the generic kernels.
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script.ir_builder import IRBuilder
+from tvm.script.ir_builder import tirx as T
+
+from gcomp.codegen import epilogue as epi
+from gcomp.codegen.aggregate_kernel import NEG_INF, _finish
+from gcomp.codegen.kernels import definer
+
+PREFETCH_DISTANCE = 32  # edges ahead: measured best of 16 / 32 / 64 / 128 at 32 features
+PREFETCH_LINES = 8      # cache lines prefetched per row (longer rows: the stream prefetcher)
+VEC = 16                # floats per vector chunk
+
+
+def _features(width: int, emit) -> None:
+    """Call ``emit(f)`` under vectorized loops covering 0..width: one loop when it is
+    narrow, else VEC-wide chunks and a vectorized tail."""
+    if width <= 2 * VEC:
+        with T.vectorized(0, width) as f:
+            emit(f)
+        return
+    main = width - width % VEC
+    with T.serial(0, main // VEC) as fo:
+        with T.vectorized(0, VEC) as fi:
+            emit(fo * VEC + fi)
+    if main < width:
+        with T.vectorized(0, width - main) as ft:
+            emit(main + ft)
+
+
+def _prefetch(x, row, width: int) -> None:
+    """Prefetch the first lines of ``x[row, :width]`` into all cache levels."""
+    for q in range(min((width + VEC - 1) // VEC, PREFETCH_LINES)):
+        addr = tirx.address_of(x[row, q * VEC])
+        T.evaluate(tirx.call_llvm_intrin("void", "llvm.prefetch.p0", addr, tirx.const(0, "uint32"),
+                                         tirx.const(3, "uint32"), tirx.const(1, "uint32")))
+
+
+def _args(names_shapes):
+    bufs = []
+    for name, shape, dtype in names_shapes:
+        buf = T.match_buffer(T.arg(name, T.handle()), shape, dtype, align=4)
+        IRBuilder.name(name, buf)
+        bufs.append(buf)
+    return bufs
+
+
+@definer("csr_agg", target="llvm")
+def csr_agg(reduce: str, H: int, C: int, weight: str, indirect: bool = False,
+            epilogue: tuple = (), extras: tuple = ()):
+    F = H * C
+    WH = H if weight == "head" else 1
+    f32 = "float32"
+    with IRBuilder() as ib:
+        with T.prim_func():
+            T.func_name("csr_agg")
+            T.func_attr({"tirx.noalias": True})
+            n, m, nnz = (tirx.Var(name, "int64") for name in ("n", "m", "nnz"))
+            spec = [("indptr", (n + 1,), "int64"), ("indices", (nnz,), "int32")]
+            if indirect and weight != "none":
+                spec.append(("eid", (nnz,), "int64"))
+            if weight != "none":
+                spec.append(("w", (nnz, WH), f32))
+            spec.append(("x", (m, F), f32))
+            spec += [(f"e{k}", {"vec": (F,), "row": (n, F), "scalar": ()}[kind], f32)
+                     for k, kind in enumerate(extras)]
+            spec.append(("out", (n, F), f32))
+            bufs = dict(zip([s[0] for s in spec], _args(spec)))
+            indptr, indices, x, out = bufs["indptr"], bufs["indices"], bufs["x"], bufs["out"]
+            w, eid = bufs.get("w"), bufs.get("eid")
+            extra = [bufs[f"e{k}"] for k in range(len(extras))]
+            init = tirx.const(NEG_INF if reduce == "max" else 0.0, f32)
+            with T.parallel(0, n) as i:
+                IRBuilder.name("i", i)
+                _features(F, lambda f: T.buffer_store(out, init, [i, f]))
+                with T.serial(indptr[i], indptr[i + 1]) as j:
+                    IRBuilder.name("j", j)
+                    ahead = tirx.min(j + PREFETCH_DISTANCE, nnz - 1)
+                    _prefetch(x, indices[ahead], F)
+                    if eid is not None:  # CSC order reads CSR-ordered weights at random too
+                        _prefetch(w, eid[ahead], 1)
+                    src = indices[j]
+                    for h in range(H):
+                        def edge(c, h=h):
+                            val = x[src, h * C + c]
+                            if w is not None:
+                                e = eid[j] if eid is not None else j
+                                val = w[e, h if weight == "head" else 0] * val
+                            acc = out[i, h * C + c]
+                            new = tirx.max(acc, val) if reduce == "max" else acc + val
+                            T.buffer_store(out, new, [i, h * C + c])
+                        _features(C, edge)
+                deg = indptr[i + 1] - indptr[i]
+
+                def finish(f):
+                    res = _finish(reduce, out[i, f], deg)
+                    res = epi.apply(epilogue, res,
+                                    lambda k: extra[k][epi.index(extras[k], i, f)])
+                    T.buffer_store(out, res, [i, f])
+                if reduce != "sum" or epilogue:
+                    _features(F, finish)
+    return ib.get()
+
+
+def _lanes(C: int) -> int:
+    return next((v for v in (8, 4, 2) if C % v == 0), 1)
+
+
+@definer("edge_dot", target="llvm")
+def edge_dot(H: int, C: int):
+    """out[j, h] = sum_c x[indices[j], h, c] * y[i, h, c] for each in-edge j of row i;
+    V lanes of partial sums per (edge, head), added at the end."""
+    F = H * C
+    V = _lanes(C)
+    f32 = "float32"
+    with IRBuilder() as ib:
+        with T.prim_func():
+            T.func_name("edge_dot")
+            T.func_attr({"tirx.noalias": True})
+            n, m, nnz = (tirx.Var(name, "int64") for name in ("n", "m", "nnz"))
+            indptr, indices, _rows, x, y, out = _args([
+                ("indptr", (n + 1,), "int64"), ("indices", (nnz,), "int32"),
+                ("rows", (nnz,), "int32"), ("x", (m, F), f32), ("y", (n, F), f32),
+                ("out", (nnz, H), f32)])
+            with T.parallel(0, n) as i:
+                IRBuilder.name("i", i)
+                with T.serial(indptr[i], indptr[i + 1]) as j:
+                    IRBuilder.name("j", j)
+                    _prefetch(x, indices[tirx.min(j + PREFETCH_DISTANCE, nnz - 1)], F)
+                    src = indices[j]
+                    with T.serial(0, H) as h:
+                        part = T.alloc_buffer((V,), f32, scope="local")
+                        with T.vectorized(0, V) as v:
+                            T.buffer_store(part, tirx.const(0.0, f32), [v])
+                        with T.serial(0, C // V) as co:
+                            with T.vectorized(0, V) as v:
+                                f = h * C + co * V + v
+                                T.buffer_store(part, part[v] + x[src, f] * y[i, f], [v])
+                        total = part[0]
+                        for v in range(1, V):
+                            total = total + part[v]
+                        T.buffer_store(out, total, [j, h])
+    return ib.get()
