@@ -128,6 +128,14 @@ def test_reductions(op, axis, keepdims):
     run_both(lambda x, g, w: getattr(x.reshape(-1, 2, 3), op)(axis, keepdims))
 
 
+@pytest.mark.parametrize("op", ["sum", "mean", "max"])
+@pytest.mark.parametrize("keepdims", [False, True])
+def test_reductions_over_wide_last_axis(op, keepdims):
+    """Last axes of 8k values reduce in vector lanes of partial results."""
+    run_both(lambda x, g, w: [getattr(x.reshape(-1, 3, 16), op)(-1, keepdims),
+                              getattr(x.reshape(-1, 6, 8), op)(2, keepdims)], F=48)
+
+
 def test_reduce_over_nodes():
     run_both(lambda x, g, w: [x.sum(0), x.max(0, keepdims=True), x.mean(0, keepdims=True) + x])
 

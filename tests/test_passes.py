@@ -101,6 +101,26 @@ def test_canonicalize_bias_consts_reshapes():
     same(run_pass(Canonicalize(), before), expected)
 
 
+def test_canonicalize_reduce_over_unit_axis_is_a_reshape():
+    before = """graph t(%x: f32[N,1,3], %g: graph<coo>) {
+  %m = mean[axis=1](%x) : f32[N,3]
+  %k = max[axis=-1, keepdims=true](%m) : f32[N,1]
+  %e = gather(%g, %x) : f32[E(g),1,3]
+  %s = sum[axis=1](%e) : f32[E(g),3]
+  %w = sum[axis=-1](%k) : f32[N]
+  return %m, %s, %w
+}"""
+    expected = """graph t(%x: f32[N,1,3], %g: graph<coo>) {
+  %m = reshape[shape=["N", 3]](%x) : f32[N,3]
+  %k = max[axis=-1, keepdims=true](%m) : f32[N,1]
+  %e = gather(%g, %x) : f32[E(g),1,3]
+  %s = reshape[shape=["E", 3]](%e) : f32[E(g),3]
+  %w = reshape[shape=["N"]](%k) : f32[N]
+  return %m, %s, %w
+}"""
+    same(run_pass(Canonicalize(), before), expected)
+
+
 def test_dce_keeps_inputs_and_outputs():
     before = """graph t(%x: f32[N,4], %unused: f32[N,2]) {
   %a = relu(%x) : f32[N,4]

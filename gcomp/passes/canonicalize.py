@@ -3,13 +3,16 @@
 Expects: a verified graph.  Guarantees: same values; ``add(x, b)`` with a rank-1
 parameter ``b`` matching x's last axis becomes ``bias_add(x, b)``; constant
 arithmetic is folded into one ``const``; a reshape of a reshape becomes one
-reshape, and a reshape to the same type disappears.
+reshape, and a reshape to the same type disappears; a sum, mean or max over an
+axis of size 1 (GAT's mean over one head) becomes a reshape, a free view
+instead of a copy kernel (and no broadcast kernel in its gradient).
 Run it first: fusion and autodiff match the canonical forms.
 """
 
 from __future__ import annotations
 
-from gcomp.ir.ops import Op
+from gcomp.ir.ops import Op, OpGroup
+from gcomp.ir.types import EdgeDim
 from gcomp.passes.manager import Pass
 from gcomp.passes.rewrite import apply_rules, rule
 
@@ -48,8 +51,19 @@ def do_reshape(n):
     return None
 
 
+@rule(OpGroup.Reduce)
+def do_unit_reduce(n):
+    x = n.inputs[0]
+    axis = n.attrs["axis"] % x.ty.rank
+    if axis == 0 or x.ty.shape[axis] != 1:  # axis 0 is the node/edge axis: symbolic
+        return None
+    shape = ["E" if isinstance(d, EdgeDim) else "N" if k == 0 and not isinstance(d, int) else d
+             for k, d in enumerate(n.ty.shape)]
+    return n.graph.create_node(Op.RESHAPE, [x], {"shape": shape}, name=n.graph.fresh_name(n.name))
+
+
 class Canonicalize(Pass):
     name = "canonicalize"
 
     def run(self, graph, ctx) -> bool:
-        return apply_rules(graph, [do_bias_add, do_fold_consts, do_reshape])
+        return apply_rules(graph, [do_bias_add, do_fold_consts, do_reshape, do_unit_reduce])
