@@ -30,6 +30,22 @@ def test_awkward_graphs(name, seed):
     check(m, g)
 
 
+@pytest.mark.parametrize("heads,hidden", [(3, 8), (2, 20), (1, 5)])
+def test_gat_attention_is_one_kernel_and_equals_the_unfused_model(heads, hidden):
+    """The fused attention (scores, softmax, weighted sum per destination) equals the
+    interpreter and the unfused kernels, isolated nodes (no in-edges) included."""
+    from gcomp.passes import PassContext
+    g = awkward_graph(num_nodes=90, num_edges=450, num_features=7, seed=heads)
+    m = models.build("gat", 7, hidden=hidden, out_channels=4, layers=2, heads=heads, seed=1)
+    art = check(m, g)
+    kernels = [s["kernel"] for s in art.plan.steps]
+    assert sum(k.startswith("gc_attention_agg") for k in kernels) == 2, kernels
+    assert not any(k.startswith(("gc_edge_softmax", "gc_take_rows")) for k in kernels), kernels
+    unfused = compile_model(m, ctx=PassContext(disabled=frozenset({"fuse_attention"})))
+    assert any(s["kernel"].startswith("gc_edge_softmax") for s in unfused.plan.steps)
+    assert rel_err(art.run(g)[0], unfused.run(g)[0]) <= 1e-5
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_power_law_graph(name):
     g = synthetic_graph(3000, 30000, 20, 4, seed=3)

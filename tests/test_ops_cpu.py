@@ -56,11 +56,16 @@ def test_scatter_of_edge_messages(reduce):
     run_both(lambda x, g, w: g.scatter((g.gather(x, "src") - g.gather(x, "dst")).relu(), reduce))
 
 
-def test_per_head_weighted_aggregation():
+@pytest.mark.parametrize("fused", [True, False])
+def test_per_head_weighted_aggregation(fused):
+    """GAT-style attention, fused into one kernel or not (the coefficients also returned);
+    nodes without in-edges aggregate to 0."""
     def fn(x, g, w):
         h = x.reshape(-1, 2, 3)  # 2 heads of 3 channels
         e = g.gather(h.sum(-1), "src") + g.gather(h.max(-1), "dst")  # [E, 2]
-        return g.aggregate(h, "sum", weight=g.edge_softmax(e.leaky_relu(0.2)))
+        alpha = g.edge_softmax(e.leaky_relu(0.2))
+        out = g.aggregate(h, "sum", weight=alpha)
+        return out if fused else [out, alpha]
     run_both(fn)
 
 

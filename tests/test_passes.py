@@ -4,8 +4,8 @@ import pytest
 
 from gcomp.errors import GcompError
 from gcomp.ir import parse_graph, print_graph
-from gcomp.passes import (Canonicalize, DeadCodeElimination, FuseAggregate, HoistGraphStatic,
-                          Instrument, PassContext, PassError, PassManager)
+from gcomp.passes import (Canonicalize, DeadCodeElimination, FuseAggregate, FuseAttention,
+                          HoistGraphStatic, Instrument, PassContext, PassError, PassManager)
 
 
 def run_pass(p, before: str) -> str:
@@ -119,6 +119,47 @@ def test_canonicalize_reduce_over_unit_axis_is_a_reshape():
   return %m, %s, %w
 }"""
     same(run_pass(Canonicalize(), before), expected)
+
+
+ATTENTION = """graph t(%x: f32[N,2,3], %s: f32[N,2], %d: f32[N,2], %g: graph<coo>) {
+  %a = gather(%g, %s) : f32[E(g),2]
+  %b = gather[side="dst"](%g, %d) : f32[E(g),2]
+  %e = add(%b, %a) : f32[E(g),2]
+  %l = leaky_relu[alpha=0.1](%e) : f32[E(g),2]
+  %w = edge_softmax(%g, %l) : f32[E(g),2]
+  %y = aggregate(%g, %x, %w) : f32[N,2,3]
+  return %y%s
+}"""
+
+
+def test_fuse_attention():
+    expected = """graph t(%x: f32[N,2,3], %s: f32[N,2], %d: f32[N,2], %g: graph<coo>) {
+  %y = attention_aggregate[negative_slope=0.1](%g, %x, %s, %d) : f32[N,2,3]
+  return %y
+}"""
+    same(run_pass(FuseAttention(), ATTENTION.replace("%y%s", "%y")), expected)
+
+
+def test_fuse_attention_one_head_and_no_activation():
+    before = """graph t(%x: f32[N,1,3], %s: f32[N,1], %d: f32[N,1], %g: graph<coo>) {
+  %a = gather(%g, %s) : f32[E(g),1]
+  %b = gather[side="dst"](%g, %d) : f32[E(g),1]
+  %e = add(%a, %b) : f32[E(g),1]
+  %w = edge_softmax(%g, %e) : f32[E(g),1]
+  %r = reshape[shape=["E"]](%w) : f32[E(g)]
+  %y = aggregate(%g, %x, %r) : f32[N,1,3]
+  return %y
+}"""
+    after = run_pass(FuseAttention(), before)
+    assert "attention_aggregate[negative_slope=1.0](%g, %x, %s, %d)" in after, after
+    assert "edge_softmax" not in after
+
+
+@pytest.mark.parametrize("also", [", %w", ", %a"])
+def test_attention_coefficients_read_elsewhere_stay_unfused(also):
+    """The backward pass (or anything else) reading an edge intermediate keeps the chain."""
+    before = ATTENTION.replace("%y%s", "%y" + also)
+    same(run_pass(FuseAttention(), before), before)
 
 
 def test_dce_keeps_inputs_and_outputs():

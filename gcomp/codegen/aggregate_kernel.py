@@ -1,4 +1,5 @@
-"""The aggregation kernel, built with TVM's IR builder: every variant, one definition.
+"""The aggregation kernels, built with TVM's IR builder: every variant, one definition
+(and GAT's fused attention, ``attention_agg``, its sibling).
 
     out[i, h, c] = epilogue(finish(reduce_{j in segment i} w[j, h] * x[indices[j], h, c]))
 
@@ -25,6 +26,7 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
 from gcomp.codegen import epilogue as epi
+from gcomp.codegen.fastmath import fast_exp
 from gcomp.codegen.kernels import definer
 
 NEG_INF = -3.4028234663852886e38
@@ -91,6 +93,81 @@ def csr_agg(reduce: str, H: int, C: int, weight: str, indirect: bool = False,
                         new = tirx.max(acc, val) if reduce == "max" else acc + val
                         T.buffer_store(out, new, [vi, f])
                     res = _finish(reduce, out[vi, f], indptr[vi + 1] - indptr[vi])
+                    res = epi.apply(epilogue, res, lambda k: extra[k][epi.index(extras[k], vi, f)])
+                    T.buffer_store(out, res, [vi, f])
+    return ib.get()
+
+
+def leaky(v, slope: float):
+    """leaky_relu(v); slope 1 is the identity."""
+    if slope == 1.0:
+        return v
+    return tirx.Select(v > tirx.const(0.0, "float32"), v, v * tirx.const(slope, "float32"))
+
+
+@definer("attention_agg")
+def attention_agg(H: int, C: int, slope: float, epilogue: tuple = (), extras: tuple = ()):
+    """GAT attention in one kernel (the ``attention_aggregate`` op):
+
+        e_j = leaky_relu(s_src[indices[j], h] + s_dst[i, h])   for in-edges j of row i
+        out[i, h, c] = epilogue(sum_j exp(e_j - max e) * x[indices[j], h, c] / sum_j exp(...))
+
+    Two sweeps over the row's in-edges: the maximum score, then the exponentials, their
+    sum and the weighted sum of source rows; no per-edge buffer.  The block is spatial
+    over (row, head, channel) like ``csr_agg`` (GPU lanes share a row); the row's
+    statistics live in ``stat``, which a schedule puts in registers.
+
+    Arguments: indptr, indices, s_src (m x H), s_dst (n x H), x (m x H*C), extras...,
+    out (n x H*C).
+    """
+    F = H * C
+    f32 = "float32"
+    with IRBuilder() as ib:
+        with T.prim_func(s_tir=True):
+            T.func_name("attention_agg")
+            T.func_attr({"tirx.noalias": True})
+            n, m, nnz = (tirx.Var(name, "int64") for name in ("n", "m", "nnz"))
+
+            def arg(name, shape, dtype):
+                buf = T.match_buffer(T.arg(name, T.handle()), shape, dtype, align=4)
+                IRBuilder.name(name, buf)
+                return buf
+
+            indptr = arg("indptr", (n + 1,), "int64")
+            indices = arg("indices", (nnz,), "int32")
+            s_src = arg("s_src", (m, H), f32)
+            s_dst = arg("s_dst", (n, H), f32)
+            x = arg("x", (m, F), f32)
+            extra = [arg(f"e{k}", {"vec": (F,), "row": (n, F), "scalar": ()}[kind], f32)
+                     for k, kind in enumerate(extras)]
+            out = arg("out", (n, F), f32)
+            stat = T.sblock_alloc_buffer((n, H, C, 2), f32)
+            IRBuilder.name("stat", stat)
+            with T.grid(n, H, C) as (i, h, c):
+                with T.sblock("row"):
+                    vi = T.axis.spatial(n, i)
+                    vh = T.axis.spatial(H, h)
+                    vc = T.axis.spatial(C, c)
+                    f = vh * C + vc
+                    T.reads(indptr[vi:vi + 2], indices[0:nnz], s_src[0:m, vh], s_dst[vi, vh],
+                            x[0:m, f])
+                    T.writes(out[vi, f], stat[vi, vh, vc, 0:2])
+
+                    def score(j):
+                        return leaky(s_src[indices[j], vh] + s_dst[vi, vh], slope)
+                    T.buffer_store(stat, tirx.const(NEG_INF, f32), [vi, vh, vc, 0])
+                    with T.serial(indptr[vi], indptr[vi + 1]) as j:
+                        T.buffer_store(stat, tirx.max(stat[vi, vh, vc, 0], score(j)),
+                                       [vi, vh, vc, 0])
+                    T.buffer_store(stat, tirx.const(0.0, f32), [vi, vh, vc, 1])
+                    T.buffer_store(out, tirx.const(0.0, f32), [vi, f])
+                    with T.serial(indptr[vi], indptr[vi + 1]) as j:
+                        p = fast_exp(score(j) - stat[vi, vh, vc, 0])
+                        T.buffer_store(stat, stat[vi, vh, vc, 1] + p, [vi, vh, vc, 1])
+                        T.buffer_store(out, out[vi, f] + p * x[indices[j], f], [vi, f])
+                    total = stat[vi, vh, vc, 1]
+                    res = tirx.Select(total > tirx.const(0.0, f32), out[vi, f] / total,
+                                      tirx.const(0.0, f32))
                     res = epi.apply(epilogue, res, lambda k: extra[k][epi.index(extras[k], vi, f)])
                     T.buffer_store(out, res, [vi, f])
     return ib.get()

@@ -1,7 +1,7 @@
 """CPU definitions of the gather-bound sparse kernels, written as loop nests.
 
-Aggregation (``csr_agg``) and the per-edge dot product (``edge_dot``, the
-gradient of attention weights) spend their time fetching the feature rows of
+Aggregation (``csr_agg``), GAT's fused attention (``attention_agg``) and the
+per-edge dot product (``edge_dot``, the gradient of attention weights) spend their time fetching the feature rows of
 random neighbours.  The hardware prefetcher cannot predict an indirect address,
 so each row fetch was a cache miss the core waited on.  These definitions walk
 one destination row at a time (rows in parallel) and, for each in-edge, issue a
@@ -25,7 +25,8 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
 from gcomp.codegen import epilogue as epi
-from gcomp.codegen.aggregate_kernel import NEG_INF, _finish
+from gcomp.codegen.aggregate_kernel import NEG_INF, _finish, leaky
+from gcomp.codegen.fastmath import fast_exp
 from gcomp.codegen.kernels import definer
 
 PREFETCH_DISTANCE = 32  # edges ahead: measured best of 16 / 32 / 64 / 128 at 32 features
@@ -161,4 +162,65 @@ def edge_dot(H: int, C: int):
                         for v in range(1, V):
                             total = total + part[v]
                         T.buffer_store(out, total, [j, h])
+    return ib.get()
+
+
+@definer("attention_agg", target="llvm")
+def attention_agg(H: int, C: int, slope: float, epilogue: tuple = (), extras: tuple = ()):
+    """GAT attention per destination row (see the generic ``attention_agg``): a sweep over
+    the in-edges for each head's maximum score, then one for the exponentials and their
+    sums (vectorized over heads) and the weighted sum of the prefetched source rows
+    (vectorized over channels).  All heads share a sweep: each source row and score row
+    is fetched once per edge."""
+    F = H * C
+    f32 = "float32"
+    with IRBuilder() as ib:
+        with T.prim_func():
+            T.func_name("attention_agg")
+            T.func_attr({"tirx.noalias": True})
+            n, m, nnz = (tirx.Var(name, "int64") for name in ("n", "m", "nnz"))
+            spec = [("indptr", (n + 1,), "int64"), ("indices", (nnz,), "int32"),
+                    ("s_src", (m, H), f32), ("s_dst", (n, H), f32), ("x", (m, F), f32)]
+            spec += [(f"e{k}", {"vec": (F,), "row": (n, F), "scalar": ()}[kind], f32)
+                     for k, kind in enumerate(extras)]
+            spec.append(("out", (n, F), f32))
+            bufs = dict(zip([s[0] for s in spec], _args(spec)))
+            indptr, indices, x, out = bufs["indptr"], bufs["indices"], bufs["x"], bufs["out"]
+            s_src, s_dst = bufs["s_src"], bufs["s_dst"]
+            extra = [bufs[f"e{k}"] for k in range(len(extras))]
+            with T.parallel(0, n) as i:
+                IRBuilder.name("i", i)
+                top = T.alloc_buffer((H,), f32, scope="local")
+                total = T.alloc_buffer((H,), f32, scope="local")
+                p = T.alloc_buffer((H,), f32, scope="local")
+
+                def score(j, h):
+                    return leaky(s_src[indices[j], h] + s_dst[i, h], slope)
+                _features(F, lambda f: T.buffer_store(out, tirx.const(0.0, f32), [i, f]))
+                _features(H, lambda h: (T.buffer_store(top, tirx.const(NEG_INF, f32), [h]),
+                                        T.buffer_store(total, tirx.const(0.0, f32), [h])))
+                with T.serial(indptr[i], indptr[i + 1]) as j:
+                    _prefetch(s_src, indices[tirx.min(j + PREFETCH_DISTANCE, nnz - 1)], H)
+                    _features(H, lambda h: T.buffer_store(top, tirx.max(top[h], score(j, h)),
+                                                          [h]))
+                with T.serial(indptr[i], indptr[i + 1]) as j:
+                    _prefetch(x, indices[tirx.min(j + PREFETCH_DISTANCE, nnz - 1)], F)
+
+                    def weigh(h):
+                        T.buffer_store(p, fast_exp(score(j, h) - top[h]), [h])
+                        T.buffer_store(total, total[h] + p[h], [h])
+                    _features(H, weigh)
+                    src = indices[j]
+                    for h in range(H):
+                        _features(C, lambda c, h=h: T.buffer_store(
+                            out, out[i, h * C + c] + p[h] * x[src, h * C + c], [i, h * C + c]))
+
+                def finish(f):
+                    t = total[f // C]
+                    res = tirx.Select(t > tirx.const(0.0, f32), out[i, f] / t,
+                                      tirx.const(0.0, f32))
+                    res = epi.apply(epilogue, res,
+                                    lambda k: extra[k][epi.index(extras[k], i, f)])
+                    T.buffer_store(out, res, [i, f])
+                _features(F, finish)
     return ib.get()

@@ -185,7 +185,7 @@ class _Lowering:
         """One kernel for ``anchor`` and its fused ``members`` (see passes/fuse_epilogues)."""
         tail = members[-1]
         self.buffer(tail)
-        if anchor.op in (Op.AGGREGATE, Op.MATMUL):
+        if anchor.op in (Op.AGGREGATE, Op.ATTENTION_AGGREGATE, Op.MATMUL):
             chain, extras, kinds, prev = [], [], [], anchor
             for m in members:
                 if m.op == Op.RESHAPE:
@@ -206,6 +206,9 @@ class _Lowering:
             if anchor.op == Op.AGGREGATE:
                 self.lower_aggregate(anchor, out=tail, epilogue=(tuple(chain), tuple(kinds),
                                                                   ext_args))
+            elif anchor.op == Op.ATTENTION_AGGREGATE:
+                self.lower_attention_aggregate(anchor, out=tail,
+                                               epilogue=(tuple(chain), tuple(kinds), ext_args))
             else:
                 x, w = anchor.inputs
                 feat = self.feature_operand(x)
@@ -352,6 +355,21 @@ class _Lowering:
                                **fused)
         args = [self.garr(g, "indptr"), self.garr(g, "indices")]
         self.step(n, spec, args + wview + tail)
+
+    def lower_attention_aggregate(self, n: Node, out: Node | None = None,
+                                  epilogue=((), (), [])) -> None:
+        g, x, s_src, s_dst = n.inputs
+        chain, kinds, ext_args = epilogue
+        if out is None:
+            out = n
+            self.buffer(n)
+        fused = {"epilogue": chain, "extras": kinds} if chain else {}
+        H = int(x.ty.shape[1])
+        spec = KernelSpec.make("attention_agg", H=H, C=int(prod(x.ty.shape[2:])),
+                               slope=float(n.attrs["negative_slope"]), **fused)
+        self.step(n, spec, [self.garr(g, "indptr"), self.garr(g, "indices"),
+                            self.arg(s_src), self.arg(s_dst), self.arg(x, self.flat2(x))]
+                  + list(ext_args) + [self.arg(out, self.flat2(out))])
 
     def lower_edge_softmax(self, n: Node) -> None:
         g, e = n.inputs

@@ -30,7 +30,8 @@ def _row_bytes(t: TensorType) -> int:
 
 def explain(graph: Graph, plans: dict, graph_data=None) -> dict:
     """A JSON-able report; ``plans`` maps "inference"/"training" to plans."""
-    report: dict = {"model": graph.name, "fusion": [], "reorder": [], "hoisted": [],
+    report: dict = {"model": graph.name, "fusion": [], "attention": [], "reorder": [],
+                    "hoisted": [],
                     "sparse_features": [], "kernels": {}}
     for n in graph:
         if "fused" in n.meta:
@@ -42,6 +43,11 @@ def explain(graph: Graph, plans: dict, graph_data=None) -> dict:
                 "bytes_saved_per_row": sum(2 * _row_bytes(m.ty) for m in saved
                                            if isinstance(m.ty, TensorType)),
             })
+        if n.op == Op.ATTENTION_AGGREGATE:
+            heads = int(n.inputs[2].ty.shape[1])
+            report["attention"].append({
+                "kernel": f"attention_aggregate %{n.name}", "replaces": n.meta.get("replaces", []),
+                "edge_bytes_saved_per_edge": 4 * heads * len(n.meta.get("replaces", []))})
         if "reorder" in n.meta:
             r = n.meta["reorder"]
             report["reorder"].append({"aggregate": f"%{n.name}", **r,
@@ -100,6 +106,10 @@ def render(report: dict) -> str:
                          f"{f['bytes_saved_per_row']} bytes of traffic per row")
         else:
             lines.append("  none")
+    for a in report["attention"]:
+        lines.append(f"  {a['kernel']}: scores, softmax and sum per destination, replacing "
+                     f"{', '.join(a['replaces'])}: {a['edge_bytes_saved_per_edge']} bytes per "
+                     f"edge never written")
     lines.append("aggregation on the narrower side of a weight (edge work ~ edges x width):")
     for r in report["reorder"] or [None]:
         if r is None:

@@ -272,6 +272,11 @@ def evaluate_node(n, args: list, num_nodes: int):
         return args[0][tuple(idx)]
     if op == Op.EDGE_SOFTMAX:
         return _edge_softmax(args[0], args[1])
+    if op == Op.ATTENTION_AGGREGATE:
+        g, x, s_src, s_dst = args
+        e = s_src[g.src] + s_dst[g.dst]
+        alpha = _edge_softmax(g, np.where(e > 0, e, a["negative_slope"] * e))
+        return _scatter(g, x[g.src] * _expand_weight(alpha, x.ndim), "sum", g.dst)
     if op == Op.MATMUL:
         x, w = args
         return (x.T @ w) if a["trans_a"] else x @ (w.T if a["trans_b"] else w)

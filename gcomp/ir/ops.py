@@ -12,6 +12,11 @@ Semantics (the interpreter in ``gcomp/ir/interpreter.py`` is normative):
 ``scatter(g, e)``         out[i] = reduce over edges e into i of e[e]
 ``gather(g, x)``          out[e] = x[src(e)] (side="src") or x[dst(e)] (side="dst")
 ``edge_softmax(g, e)``    softmax of e over the in-edges of each destination
+``attention_aggregate(g, x, s_src, s_dst)``  GAT's attention in one op (made by the
+                          ``fuse_attention`` pass): with x [N, H, ...] and scores
+                          [N, H], out[i, h] = sum over edges (j -> i) of
+                          softmax_j(leaky_relu(s_src[j, h] + s_dst[i, h])) * x[j, h]
+                          (``negative_slope`` 1: no leaky_relu)
 ``degree(g[, w])``        (weighted) number of in-edges (side="in") or out-edges
 ``sym_norm(g[, w])``      w_e / sqrt(deg_in(src) * deg_in(dst)), 0 where a degree is 0
 ``self_loops(g)``         a new graph: mode "add_remaining" removes every self
@@ -61,6 +66,7 @@ class Op(str, Enum):
     SCATTER = "scatter"
     AGGREGATE = "aggregate"
     EDGE_SOFTMAX = "edge_softmax"
+    ATTENTION_AGGREGATE = "attention_aggregate"
     # dense
     MATMUL = "matmul"
     BIAS_ADD = "bias_add"
@@ -120,6 +126,7 @@ class OpGroup:
     Reduce = frozenset({Op.SUM, Op.MEAN, Op.MAX})
     # ops that move values between node space and edge space
     EdgeOps = frozenset({Op.GATHER, Op.SCATTER, Op.AGGREGATE, Op.EDGE_SOFTMAX, Op.SYM_NORM,
+                         Op.ATTENTION_AGGREGATE,
                          Op.EDGE_REMAP, Op.DEGREE, Op.EDGE_DOT, Op.AGGREGATE_ARGMAX,
                          Op.AGGREGATE_MAX_GRAD, Op.SCATTER_ARGMAX, Op.SCATTER_MAX_GRAD})
     Aggregate = frozenset({Op.AGGREGATE, Op.SCATTER})
@@ -255,6 +262,16 @@ def _infer_aggregate(node) -> Type:
         k = w.rank - 1
         if w.shape[1:] != x.shape[1:1 + k] or k >= x.rank:
             _fail(node, f"edge weight {w} must match the leading feature axes of {x}")
+    return x
+
+
+def _infer_attention_aggregate(node) -> Type:
+    _graph(node, 0)
+    x = _node_tensor(node, 1)
+    for k in (2, 3):
+        s = _node_tensor(node, k)
+        if s.rank != 2 or x.rank < 2 or s.shape[1] != x.shape[1]:
+            _fail(node, f"scores {s} must be [N, H] with H = axis 1 of {x}")
     return x
 
 
@@ -481,6 +498,8 @@ OPS: dict[Op, OpDef] = {d.op: d for d in [
                                  "flow": AttrSpec(default="in", choices=("in", "out"))},
           _infer_aggregate),
     OpDef(Op.EDGE_SOFTMAX, (2, 2), {}, _infer_edge_softmax),
+    OpDef(Op.ATTENTION_AGGREGATE, (4, 4), {"negative_slope": _num(default=0.2)},
+          _infer_attention_aggregate),
     OpDef(Op.MATMUL, (2, 2), {"trans_a": AttrSpec(default=False, kind=bool),
                               "trans_b": AttrSpec(default=False, kind=bool)}, _infer_matmul),
     OpDef(Op.BIAS_ADD, (2, 2), {}, _infer_bias_add),

@@ -7,6 +7,7 @@ from gcomp.passes.cse import CommonSubexprElimination
 from gcomp.passes.dce import DeadCodeElimination
 from gcomp.passes.eval_mode import EvalMode
 from gcomp.passes.fuse_aggregate import FuseAggregate
+from gcomp.passes.fuse_attention import FuseAttention
 from gcomp.passes.fuse_epilogues import FuseEpilogues
 from gcomp.passes.hoist_graph_static import HoistGraphStatic
 from gcomp.passes.manager import Instrument, Pass, PassContext, PassError, PassManager
@@ -14,6 +15,7 @@ from gcomp.passes.reorder_linear import ReorderLinear
 
 
 PASSES = {p.name: p for p in (EvalMode, Canonicalize, CommonSubexprElimination, FuseAggregate,
+                              FuseAttention,
                               ReorderLinear, DeadCodeElimination, HoistGraphStatic,
                               FuseEpilogues, AddLoss, Autodiff)}
 
@@ -25,6 +27,7 @@ def default_pipeline() -> PassManager:
         Canonicalize(),        # bias adds, folded constants, single reshapes
         CommonSubexprElimination(),  # e.g. one self-loop graph and norm for all GCN layers
         FuseAggregate(),       # gather -> edge-wise -> scatter becomes sparse aggregation
+        FuseAttention(),       # GAT: scores, softmax and aggregation in one op
         ReorderLinear(),       # aggregate on the narrower side of each weight matrix
         DeadCodeElimination(), # drop what fusion left behind
         HoistGraphStatic(),    # degrees and norms: once per bound graph
@@ -48,4 +51,4 @@ def training_pipeline() -> PassManager:
 
 
 __all__ = ["PASSES", "training_pipeline", "AddLoss", "Autodiff", "EvalMode", "Pass", "PassContext", "PassManager", "PassError", "Instrument", "default_pipeline",
-           "Canonicalize", "CommonSubexprElimination", "FuseAggregate", "FuseEpilogues", "ReorderLinear", "DeadCodeElimination", "HoistGraphStatic"]
+           "Canonicalize", "CommonSubexprElimination", "FuseAggregate", "FuseAttention", "FuseEpilogues", "ReorderLinear", "DeadCodeElimination", "HoistGraphStatic"]

@@ -10,7 +10,7 @@ exist in memory.  ``anchor.meta["fused"]`` lists the members in order;
 whole group, at the position of its last member, writing the last member's value.
 
 Anchors and what they absorb:
-* ``aggregate`` and ``matmul`` (no transposes): an epilogue of ``bias_add`` with a
+* ``aggregate``, ``attention_aggregate`` and ``matmul`` (no transposes): an epilogue of ``bias_add`` with a
   bias over the flat features, unary activations, and binary ops with a scalar or a
   tensor shaped like the result (e.g. GIN's ``(1 + eps) * x`` added after the sum);
   a ``reshape`` between them is a free view.
@@ -93,7 +93,7 @@ class FuseEpilogues(Pass):
         for n in graph:
             if "fused_into" in n.meta:
                 continue
-            if n.op == Op.AGGREGATE or (n.op == Op.MATMUL and not n.attrs["trans_a"]
+            if n.op in (Op.AGGREGATE, Op.ATTENTION_AGGREGATE) or (n.op == Op.MATMUL and not n.attrs["trans_a"]
                                         and not n.attrs["trans_b"]):
                 ok = _absorbable_after_kernel
             elif n.op in CHAINABLE and isinstance(n.ty, TensorType) and not n.ty.is_static:

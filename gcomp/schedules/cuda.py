@@ -184,6 +184,15 @@ def _argmax(sch) -> None:
     _in_register(sch, blk, "out", fi)
 
 
+def _attention(sch) -> None:
+    """GAT's fused attention: rows x lanes like aggregation; every lane keeps the row's
+    score maximum and sum (``stat``) and its output element in registers."""
+    blk = sch.get_sblock("row")
+    sch.set_scope(blk, _write_index(sch, blk, "stat"), "local")
+    _, fi = _bind_rows(sch, blk, n_row_loops=2)
+    _in_register(sch, blk, "out", fi)
+
+
 def _edge_softmax(sch) -> None:
     """One thread per (row, head); the row's max and sum stay in registers."""
     blk = sch.get_sblock("row")
@@ -338,6 +347,8 @@ def schedule(sch, spec) -> None:
         _argmax(sch)
     elif kind == "edge_softmax":
         _edge_softmax(sch)
+    elif kind == "attention_agg":
+        _attention(sch)
     elif kind == "degree":
         _degree(sch, bool(p["weighted"]))
     elif kind == "take_rows":
