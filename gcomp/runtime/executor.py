@@ -44,6 +44,7 @@ class Binding:
     order: np.ndarray | None = None  # node order[i] of the user's graph is row i (reorder.py)
     reorder: dict = field(default_factory=dict)  # the cost model's numbers
     plan_steps: list = field(default_factory=list)  # the plan step of each entry of steps
+    reads: set = field(default_factory=set)  # buffers the bound steps use (feed skips others)
 
 
 def _rows(a, order):
@@ -197,6 +198,10 @@ class Executor:
                for args in [args_of(s)] if self._launchable(args)]
         b.steps = [(self.functions[s["kernel"]], args) for s, args in run]
         b.plan_steps = [s for s, _ in run]
+        used = {a["buf"] for s, _ in run for a in s["args"] if "buf" in a}
+        used |= {o["buffer"] for o in self.plan.outputs}
+        b.reads = used | {self.plan.buffers[u].get("alias", u) for u in used
+                          if u in self.plan.buffers}
         b.bind_time_s = time.perf_counter() - t0
         self._binding = b  # one binding at a time: buffers are sized per graph
         return b
@@ -279,6 +284,8 @@ class Executor:
                 if x.shape != want:
                     raise InputError(f"input {name!r} must have shape {want}, got {x.shape}")
                 x = np.ascontiguousarray(x, dtype=dtype)
+            if name not in binding.reads:  # e.g. dense features when sparse kernels run
+                continue
             if binding.order is not None:
                 x = np.ascontiguousarray(x[binding.order])
             binding.buffers[name].copyfrom(x)
