@@ -15,8 +15,9 @@ communication between its kernels, decided once per binding from the plan's
 steps (``_schedule``):
 
 * a kernel that reads a node tensor at edge *sources* (``indices``: aggregation
-  over in-edges, ``gather`` of sources, ``edge_dot``, ``sym_norm``) needs that
-  tensor's halo rows to hold the owners' values.  The exchange is posted right
+  over in-edges, ``gather`` of sources, ``edge_dot``, ``sym_norm``; fused GAT
+  attention reads two, its source scores and features) needs that tensor's halo
+  rows to hold the owners' values.  The exchange is posted right
   after the tensor's producer (non-blocking Isend/Irecv; receives land directly
   in the halo rows) and waited for just before the reader.  An in-edge
   aggregation runs its interior rows while the messages are in flight, then
@@ -315,7 +316,7 @@ class DistExecutor(Executor):
         fam = _family(s["kernel"])
         garrs = {a["array"] for a in s["args"] if "graph" in a}
         bufs = [(i, a["buf"]) for i, a in enumerate(s["args"]) if "buf" in a]
-        c = {"family": fam, "reads_src": None, "out": None, "kind": "local", "owned_views": []}
+        c = {"family": fam, "reads_src": [], "out": None, "kind": "local", "owned_views": []}
         if fam in REPLICATED or any("features" in a for a in s["args"]):
             if any("features" in a for a in s["args"]):
                 raise DistributedError("sparse-feature kernels are not supported across ranks")
@@ -335,7 +336,10 @@ class DistExecutor(Executor):
             else:
                 c["kind"] = "graph"
                 if "indices" in garrs:
-                    c["reads_src"] = next((n for _, n in ins if self._is_node(n)), None)
+                    nodes = [n for _, n in ins if self._is_node(n)]
+                    # fused attention reads scores and features at sources (s_src, s_dst,
+                    # x): the others, their first node tensor
+                    c["reads_src"] = [nodes[0], nodes[2]] if fam == "attention_agg" else nodes[:1]
             return c
         node_in = [n for _, n in ins if self._is_node(n)]
         edge_in = [n for _, n in ins if self._is_edge(n)]
@@ -474,11 +478,13 @@ class DistExecutor(Executor):
         valid: dict[str, bool] = {}
         for i, (s, fn, args) in enumerate(steps):
             c = self._classify(s)
-            if c["reads_src"] and not valid.get(self._root(c["reads_src"]), False):
-                post, wait = self._exchange_ops(binding, self._root(c["reads_src"]), 30000 + i)
-                post()
-                wait()
-                valid[self._root(c["reads_src"])] = True
+            for k, src in enumerate(self._root(r) for r in c["reads_src"]):
+                if not valid.get(src, False):
+                    # blocking, so tags only need to stay below MPI_TAG_UB (>= 32767)
+                    post, wait = self._exchange_ops(binding, src, 30000 + (2 * i + k) % 2000)
+                    post()
+                    wait()
+                    valid[src] = True
             if c["owned_views"]:
                 args = tuple(self._owned(a) if j in c["owned_views"] else a
                              for j, a in enumerate(args))
@@ -545,8 +551,8 @@ class DistExecutor(Executor):
                 before[i].append((self._allreduce_op(b, list(pending_sum)), ()))
                 pending_sum.clear()
                 pending_set.clear()
-            src = c["reads_src"] and self._root(c["reads_src"])
-            if src and not valid.get(src, False):
+            stale = [r for r in (self._root(x) for x in c["reads_src"]) if not valid.get(r, False)]
+            for src in stale:
                 post, wait = self._exchange_ops(b, src, next_tag())
                 w = last_write.get(src)
                 if w is None:
@@ -558,7 +564,8 @@ class DistExecutor(Executor):
                 else:
                     before[i].append((wait, ()))
                 valid[src] = True
-            elif c["family"] == "csr_agg" and c["kind"] == "graph" and self._is_node(c["out"]):
+            if not stale and c["family"] == "csr_agg" and c["kind"] == "graph" and \
+                    self._is_node(c["out"]):
                 main[i] = [(fn, self._owned_rows(s, args, "csr_agg"))]  # halo rows: no edges
             if c["owned_views"]:
                 main[i] = [(fn, tuple(self._owned(a) if j in c["owned_views"] else a
@@ -610,8 +617,7 @@ class DistExecutor(Executor):
         used, feeds = set(), {}
         for s in b.plan_steps:
             c = self._classify(s)
-            src = c["reads_src"] and self._root(c["reads_src"])
-            if src:
+            for src in (self._root(x) for x in c["reads_src"]):
                 if valid.get(src, False):
                     used.add(src)
                 valid[src] = True

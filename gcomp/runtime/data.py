@@ -83,7 +83,7 @@ def check_edge_index(edge_index, num_nodes: int, what: str = "edge_index") -> np
 
 def all_finite(a: np.ndarray) -> bool:
     """No NaN or Inf in ``a``: min and max propagate NaN and reach an infinity, so two
-    vectorized reductions decide it without a temporary mask (about 3x faster)."""
+    vectorized reductions decide it without allocating a mask the size of ``a``."""
     return a.size == 0 or bool(np.isfinite(a.min()) and np.isfinite(a.max()))
 
 
