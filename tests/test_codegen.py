@@ -14,13 +14,13 @@ def test_edge_offsets_are_64_bit():
     import re
 
     spec = KernelSpec.make("csr_agg", reduce="sum", H=1, C=16, weight="edge")
-    for target, row in ((None, "vi"), ("llvm", "i")):
+    for target in (None, "llvm"):
         text = define(spec, target).script()
         assert re.search(r'indptr: T.Buffer\(\("n \+ T.int64\(1\)",\), "int64"', text), text
         assert re.search(r'indices: T.Buffer\(\(nnz,\), "int32"', text)  # node ids: N < 2^31
         # the edge loop runs between int64 offsets, so its counter is int64 too
-        assert (f"for j in range(indptr[{row}], indptr[{row}] + (indptr[{row} + T.int64(1)] - "
-                f"indptr[{row}]))") in text, text
+        assert re.search(r"for j in range\(indptr\[(.+?)\], indptr\[\1\] \+ \(indptr\[\1 \+ "
+                         r"T.int64\(1\)\] - indptr\[\1\]\)\)", text), text
 
 
 @pytest.mark.parametrize("name", ["gcn", "sage", "gin"])

@@ -50,6 +50,31 @@ def test_aggregate_feature_widths(F):
                               g.aggregate(x, "mean").relu() + x], F=F, weighted=True)
 
 
+@pytest.mark.parametrize("shape", ["hub", "tiny", "hubs_first"])
+def test_rows_split_by_work(shape):
+    """Rows are shared out to threads in ranges of equal edges + rows: one row holding
+    nearly every edge, fewer rows than ranges, and hubs numbered first all sum right."""
+    from gcomp.runtime.data import GraphData
+    rng = np.random.default_rng(7)
+    if shape == "hub":
+        n, e = 600, 5000
+        dst = np.where(rng.random(e) < 0.95, 17, rng.integers(0, n, e))
+        ei = np.stack([rng.integers(0, n, e), dst])
+    elif shape == "tiny":
+        n, ei = 3, np.array([[0, 1, 2, 2], [1, 2, 0, 1]])
+    else:
+        n, e = 2000, 20000
+        ei = np.stack([rng.integers(0, n, e), np.minimum(rng.zipf(1.5, e) - 1, n - 1)])
+    x = rng.standard_normal((n, 24)).astype(np.float32)
+    w = rng.uniform(0.5, 1.5, ei.shape[1]).astype(np.float32)
+    g = GraphData("split", n, ei, x, w)
+    m = trace(Fn(lambda x, g, w: [g.aggregate(x, "sum", weight=w), g.aggregate(x, "max")]),
+              {"x": NodeInput(24), "edge_index": GraphInput(),
+               "edge_weight": EdgeInput("edge_index")})
+    for o, r in zip(compile_model(m).run(g), interpret(m.graph, ref_inputs(m.graph, g), m.params)):
+        assert rel_err(o, r) <= 1e-4
+
+
 @pytest.mark.parametrize("reduce", ["sum", "mean", "max"])
 def test_scatter_of_edge_messages(reduce):
     # a message the fusion pass cannot absorb: relu(x_j - x_i) keeps the E x F path

@@ -4,7 +4,8 @@ Aggregation (``csr_agg``), GAT's fused attention (``attention_agg``) and the
 per-edge dot product (``edge_dot``, the gradient of attention weights) spend their time fetching the feature rows of
 random neighbours.  The hardware prefetcher cannot predict an indirect address,
 so each row fetch was a cache miss the core waited on.  These definitions walk
-one destination row at a time (rows in parallel) and, for each in-edge, issue a
+one destination row at a time (rows cut into ranges of equal work, in parallel:
+``_balanced_rows``) and, for each in-edge, issue a
 software prefetch for the neighbour row ``PREFETCH_DISTANCE`` edges ahead, so
 the misses overlap; the feature loop is vectorized in chunks the vector unit
 holds.  Measured on arxiv-synth (169k nodes, 1.34M edges, 2 threads): weighted
@@ -20,6 +21,8 @@ targets keep the generic definitions (``aggregate_kernel.py``,
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
@@ -29,6 +32,7 @@ from gcomp.codegen.aggregate_kernel import NEG_INF, _finish, leaky
 from gcomp.codegen.fastmath import fast_exp
 from gcomp.codegen.kernels import definer
 
+PARTS = 256             # row ranges of equal work (in-edges + rows) shared out to threads
 PREFETCH_DISTANCE = 32  # edges ahead: measured best of 16 / 32 / 64 / 128 at 32 features
 PREFETCH_LINES = 8      # cache lines prefetched per row (longer rows: the stream prefetcher)
 VEC = 16                # floats per vector chunk
@@ -48,6 +52,40 @@ def _features(width: int, emit) -> None:
     if main < width:
         with T.vectorized(0, width - main) as ft:
             emit(main + ft)
+
+
+@contextmanager
+def _balanced_rows(indptr, n, name: str = "i"):
+    """``for i in rows``, the rows cut into PARTS contiguous ranges of equal work, in
+    parallel.  Work of rows [0, i) is ``indptr[i] - indptr[0] + i`` (their in-edges plus a
+    per-row cost), increasing in i, so each range's ends are found by binary search on indptr
+    inside the kernel; no per-graph array is needed.  TVM hands the parts out in equal
+    blocks, so a thread that got a power-law graph's hubs no longer finishes last."""
+    i64 = "int64"
+    total = indptr[n] - indptr[0] + n  # indptr may be a view of some rows (distributed)
+    with T.parallel(0, PARTS) as t:
+        span = T.alloc_buffer((2,), i64, scope="local")
+
+        def first_row_at(k):
+            """The first i whose rows before it hold total * (t + k) / PARTS of the work."""
+            goal = total * tirx.Cast(i64, t + k) // tirx.const(PARTS, i64)
+            T.buffer_store(span, tirx.const(0, i64), [0])
+            T.buffer_store(span, n, [1])
+            with T.While(span[0] < span[1]):
+                mid = (span[0] + span[1]) // tirx.const(2, i64)
+                with T.If(indptr[mid] - indptr[0] + mid < goal):
+                    with T.Then():
+                        T.buffer_store(span, mid + tirx.const(1, i64), [0])
+                    with T.Else():
+                        T.buffer_store(span, mid, [1])
+            return span[0]
+        lo = T.Bind(first_row_at(0))
+        hi = T.Bind(first_row_at(1))
+        # a loop from 0, not from lo: TVM 0.27 shifted only some uses of a loop variable
+        # starting at a computed value when an inner loop's bounds read it (wrong rows)
+        with T.serial(0, hi - lo) as r:
+            IRBuilder.name(name, r)
+            yield lo + r
 
 
 def _prefetch(x, row, width: int) -> None:
@@ -92,8 +130,7 @@ def csr_agg(reduce: str, H: int, C: int, weight: str, indirect: bool = False,
             w, eid = bufs.get("w"), bufs.get("eid")
             extra = [bufs[f"e{k}"] for k in range(len(extras))]
             init = tirx.const(NEG_INF if reduce == "max" else 0.0, f32)
-            with T.parallel(0, n) as i:
-                IRBuilder.name("i", i)
+            with _balanced_rows(indptr, n) as i:
                 _features(F, lambda f: T.buffer_store(out, init, [i, f]))
                 with T.serial(indptr[i], indptr[i + 1]) as j:
                     IRBuilder.name("j", j)
@@ -144,8 +181,7 @@ def edge_dot(H: int, C: int):
                 ("indptr", (n + 1,), "int64"), ("indices", (nnz,), "int32"),
                 ("rows", (nnz,), "int32"), ("x", (m, F), f32), ("y", (n, F), f32),
                 ("out", (nnz, H), f32)])
-            with T.parallel(0, n) as i:
-                IRBuilder.name("i", i)
+            with _balanced_rows(indptr, n) as i:
                 with T.serial(indptr[i], indptr[i + 1]) as j:
                     IRBuilder.name("j", j)
                     _prefetch(x, indices[tirx.min(j + PREFETCH_DISTANCE, nnz - 1)], F)
@@ -188,8 +224,7 @@ def attention_agg(H: int, C: int, slope: float, epilogue: tuple = (), extras: tu
             indptr, indices, x, out = bufs["indptr"], bufs["indices"], bufs["x"], bufs["out"]
             s_src, s_dst = bufs["s_src"], bufs["s_dst"]
             extra = [bufs[f"e{k}"] for k in range(len(extras))]
-            with T.parallel(0, n) as i:
-                IRBuilder.name("i", i)
+            with _balanced_rows(indptr, n) as i:
                 top = T.alloc_buffer((H,), f32, scope="local")
                 total = T.alloc_buffer((H,), f32, scope="local")
                 p = T.alloc_buffer((H,), f32, scope="local")
