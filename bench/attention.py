@@ -5,7 +5,7 @@
 Both artifacts compile the same 3-layer GAT (hidden 32) from the same weights; the
 unfused one disables the pass (scores gathered per edge, ``edge_softmax``, weighted
 aggregation: five [E, heads] tensors in memory).  Outputs are checked against each
-other first; then forwards alternate (features bound once, ``Executor.execute`` only),
+other first; then forwards alternate (features fed once, ``Executor.execute`` only),
 median of ``--reps``.  Also reported: the bytes of edge tensors the unfused plan
 allocates, which the fused one does not.  Writes ``attention-latest.md`` and a JSON
 with machine, versions and command.
@@ -50,7 +50,7 @@ def main(argv=None) -> dict:
     runs = {}
     for name, art in arts.items():
         ex = art.executor()
-        b = ex.bind(g)
+        b = ex.feed(ex.bind(g), {"x": g.x})
         runs[name] = (ex, b, art)
     outs = {name: art.run(g)[0] for name, (_, _, art) in runs.items()}
     diff = float(np.abs(outs["fused"] - outs["unfused"]).max() /

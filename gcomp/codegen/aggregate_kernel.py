@@ -41,6 +41,13 @@ def _finish(reduce: str, acc, deg):
     return acc
 
 
+def arg(name: str, shape, dtype: str):
+    """A buffer argument of the PrimFunc being built, named ``name``."""
+    buf = T.match_buffer(T.arg(name, T.handle()), shape, dtype, align=4)
+    IRBuilder.name(name, buf)
+    return buf
+
+
 @definer("csr_agg")
 def csr_agg(reduce: str, H: int, C: int, weight: str, indirect: bool = False,
             epilogue: tuple = (), extras: tuple = ()):
@@ -53,17 +60,12 @@ def csr_agg(reduce: str, H: int, C: int, weight: str, indirect: bool = False,
             T.func_attr({"tirx.noalias": True})
             n, m, nnz = (tirx.Var(name, "int64") for name in ("n", "m", "nnz"))
 
-            def arg(name, shape, dtype):
-                buf = T.match_buffer(T.arg(name, T.handle()), shape, dtype, align=4)
-                IRBuilder.name(name, buf)
-                return buf
-
             indptr = arg("indptr", (n + 1,), "int64")
             indices = arg("indices", (nnz,), "int32")
             eid = arg("eid", (nnz,), "int64") if indirect and weight != "none" else None
             w = arg("w", (nnz, WH), f32) if weight != "none" else None
             x = arg("x", (m, F), f32)
-            extra = [arg(f"e{k}", {"vec": (F,), "row": (n, F), "scalar": ()}[kind], f32)
+            extra = [arg(f"e{k}", epi.shape(kind, n, F), f32)
                      for k, kind in enumerate(extras)]
             out = arg("out", (n, F), f32)
             with T.grid(n, H, C) as (i, h, c):
@@ -128,17 +130,12 @@ def attention_agg(H: int, C: int, slope: float, epilogue: tuple = (), extras: tu
             T.func_attr({"tirx.noalias": True})
             n, m, nnz = (tirx.Var(name, "int64") for name in ("n", "m", "nnz"))
 
-            def arg(name, shape, dtype):
-                buf = T.match_buffer(T.arg(name, T.handle()), shape, dtype, align=4)
-                IRBuilder.name(name, buf)
-                return buf
-
             indptr = arg("indptr", (n + 1,), "int64")
             indices = arg("indices", (nnz,), "int32")
             s_src = arg("s_src", (m, H), f32)
             s_dst = arg("s_dst", (n, H), f32)
             x = arg("x", (m, F), f32)
-            extra = [arg(f"e{k}", {"vec": (F,), "row": (n, F), "scalar": ()}[kind], f32)
+            extra = [arg(f"e{k}", epi.shape(kind, n, F), f32)
                      for k, kind in enumerate(extras)]
             out = arg("out", (n, F), f32)
             stat = T.sblock_alloc_buffer((n, H, C, 2), f32)

@@ -28,7 +28,8 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
 from gcomp.codegen import epilogue as epi
-from gcomp.codegen.aggregate_kernel import NEG_INF, _finish, leaky
+from gcomp.codegen.aggregate_kernel import NEG_INF, _finish, arg, leaky
+from gcomp.codegen.dense_kernels import _lanes
 from gcomp.codegen.fastmath import fast_exp
 from gcomp.codegen.kernels import definer
 
@@ -96,13 +97,8 @@ def _prefetch(x, row, width: int) -> None:
                                          tirx.const(3, "uint32"), tirx.const(1, "uint32")))
 
 
-def _args(names_shapes):
-    bufs = []
-    for name, shape, dtype in names_shapes:
-        buf = T.match_buffer(T.arg(name, T.handle()), shape, dtype, align=4)
-        IRBuilder.name(name, buf)
-        bufs.append(buf)
-    return bufs
+def _args(spec):
+    return [arg(name, shape, dtype) for name, shape, dtype in spec]
 
 
 @definer("csr_agg", target="llvm")
@@ -122,7 +118,7 @@ def csr_agg(reduce: str, H: int, C: int, weight: str, indirect: bool = False,
             if weight != "none":
                 spec.append(("w", (nnz, WH), f32))
             spec.append(("x", (m, F), f32))
-            spec += [(f"e{k}", {"vec": (F,), "row": (n, F), "scalar": ()}[kind], f32)
+            spec += [(f"e{k}", epi.shape(kind, n, F), f32)
                      for k, kind in enumerate(extras)]
             spec.append(("out", (n, F), f32))
             bufs = dict(zip([s[0] for s in spec], _args(spec)))
@@ -159,10 +155,6 @@ def csr_agg(reduce: str, H: int, C: int, weight: str, indirect: bool = False,
                 if reduce != "sum" or epilogue:
                     _features(F, finish)
     return ib.get()
-
-
-def _lanes(C: int) -> int:
-    return next((v for v in (8, 4, 2) if C % v == 0), 1)
 
 
 @definer("edge_dot", target="llvm")
@@ -217,7 +209,7 @@ def attention_agg(H: int, C: int, slope: float, epilogue: tuple = (), extras: tu
             n, m, nnz = (tirx.Var(name, "int64") for name in ("n", "m", "nnz"))
             spec = [("indptr", (n + 1,), "int64"), ("indices", (nnz,), "int32"),
                     ("s_src", (m, H), f32), ("s_dst", (n, H), f32), ("x", (m, F), f32)]
-            spec += [(f"e{k}", {"vec": (F,), "row": (n, F), "scalar": ()}[kind], f32)
+            spec += [(f"e{k}", epi.shape(kind, n, F), f32)
                      for k, kind in enumerate(extras)]
             spec.append(("out", (n, F), f32))
             bufs = dict(zip([s[0] for s in spec], _args(spec)))

@@ -94,7 +94,7 @@ def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = ()):
     out = te.compute((n, M), lambda i, j: te.sum(x[i, k] * w[k, j], axis=k), name="matmul")
     if not epilogue:
         return te.create_prim_func([x, w, out])
-    ext = [te.placeholder({"vec": (M,), "row": (n, M), "scalar": ()}[kind], "float32",
+    ext = [te.placeholder(epi.shape(kind, n, M), "float32",
                           name=f"e{i}") for i, kind in enumerate(extras)]
     res = te.compute((n, M), lambda i, j: epi.apply(
         epilogue, out[i, j], lambda e: ext[e][epi.index(extras[e], i, j)]), name="epilogue")

@@ -27,6 +27,11 @@ def apply(chain: tuple, acc, extra_value):
     return acc
 
 
+def shape(kind: str, rows, width: int) -> tuple:
+    """Shape of an extra input of ``kind`` for a kernel output of ``rows`` x ``width``."""
+    return {"vec": (width,), "row": (rows, width), "scalar": ()}[kind]
+
+
 def index(kind: str, row, feature):
     """Index tuple of an extra input of ``kind`` at output element (row, feature)."""
     if kind == "vec":

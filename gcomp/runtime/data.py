@@ -60,7 +60,7 @@ def check_edge_index(edge_index, num_nodes: int, what: str = "edge_index") -> np
     if ei.ndim != 2 or ei.shape[0] != 2:
         raise InputError(f"{what} must have shape (2, E), got {ei.shape}")
     if ei.dtype.kind == "f":
-        if ei.size and not np.all(np.isfinite(ei)):
+        if not all_finite(ei):
             raise InputError(f"{what} holds NaN or Inf; node ids must be integers")
         if ei.size and not np.all(ei == np.round(ei)):
             bad = np.argwhere(ei != np.round(ei))[0]
