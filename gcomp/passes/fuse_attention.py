@@ -6,8 +6,8 @@ the softmax over in-edges of ``leaky_relu(gather(s_src, src) + gather(s_dst, dst
 (the leaky_relu optional; ``w`` possibly reshaped to [E] when there is one head),
 with scores ``s_src``, ``s_dst`` [N, H] matching x [N, H, C] and every edge-space
 intermediate used by that chain alone, becomes
-``attention_aggregate[negative_slope](g, x, s_src, s_dst)``.  The four [E, H]
-edge tensors (two gathered scores, their activated sum, the coefficients) are
+``attention_aggregate[negative_slope](g, x, s_src, s_dst)``.  The [E, H] edge
+tensors (two gathered scores, their sum, its leaky_relu, the coefficients) are
 then dead: the kernel computes each destination's scores, softmax and weighted
 sum in one pass over its in-edges (DF-GNN's fusion).  A coefficient that
 something else reads (the backward pass in training, dropout on attention)
@@ -70,7 +70,8 @@ def do_fuse(n):
         fused = n.graph.create_node(Op.ATTENTION_AGGREGATE, [g, x, s_src, s_dst],
                                     {"negative_slope": slope}, name=n.graph.fresh_name(n.name))
         # for gcomp explain: the edge tensors that no longer exist
-        fused.meta["replaces"] = [f"{v.op.value} %{v.name}" for v, _ in chain[::-1] + [(a, e), (b, e)]
+        fused.meta["replaces"] = [f"{v.op.value} %{v.name}"
+                                  for v, _ in chain[::-1] + [(a, e), (b, e)]
                                   if v.op != Op.RESHAPE]
         return fused
     return None

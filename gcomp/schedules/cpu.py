@@ -1,13 +1,13 @@
 """CPU (LLVM) schedules: row-parallel, feature-vectorized.
 
 Each function takes a ``tvm.s_tir.Schedule`` holding one kernel (see
-``gcomp/codegen/kernels.py``) and its spec.  Aggregation and edge dot products
-have CPU definitions of their own, loop kinds included
-(``gcomp/codegen/cpu_kernels.py``), and are not scheduled here.  The common shape: parallelize the
-outermost (row or edge) loop across threads, vectorize the innermost static
-feature loop in chunks the vector unit holds.  Sparse kernels keep their
-data-dependent edge loop inside the block body, so the vectorized feature lanes
-each accumulate one output element.
+``gcomp/codegen/kernels.py``) and its spec.  Aggregation, fused attention and
+edge dot products have CPU definitions of their own, loop kinds included
+(``gcomp/codegen/cpu_kernels.py``), and are not scheduled here.  The common
+shape of the rest: parallelize the outermost (row or edge) loop across threads,
+vectorize the innermost static feature loop in chunks the vector unit holds.
+Sparse kernels keep their data-dependent edge loop inside the block body, so the
+vectorized feature lanes each accumulate one output element.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ VEC = 16  # floats per vectorized chunk: two AVX2 registers, one AVX-512 registe
 
 
 def _partitions(extent: int) -> bool:
-    """Whether ``_vector_split`` must partition a loop of ``extent`` (odd widths)."""
-    return extent > 1 and not (extent <= 2 * VEC and extent % 4 == 0) and \
-        not any(extent % w == 0 for w in (VEC, 8, 4))
+    """Whether ``_vector_split`` must partition a loop of ``extent``: no vector width
+    (VEC, 8 or 4, all multiples of 4) divides it."""
+    return extent > 1 and extent % 4 != 0
 
 
 def _vector_split(sch, loop, extent: int) -> bool:
@@ -26,14 +26,13 @@ def _vector_split(sch, loop, extent: int) -> bool:
     True when the loop had to be partitioned (its block is then two blocks)."""
     if extent <= 1:
         return False
-    if extent <= 2 * VEC and extent % 4 == 0:
-        sch.vectorize(loop)
-        return False
-    for width in (VEC, 8, 4):
-        if extent % width == 0:
-            _, inner = sch.split(loop, [None, width])
+    if not _partitions(extent):
+        if extent <= 2 * VEC:
+            sch.vectorize(loop)
+        else:
+            _, inner = sch.split(loop, [None, next(w for w in (VEC, 8, 4) if extent % w == 0)])
             sch.vectorize(inner)
-            return False
+        return False
     # odd widths (e.g. Cora's 1433 features): a predicated split would run scalar (measured
     # 20x slower), so the loop is partitioned into a divisible part, vectorized, and a tail
     try:
@@ -115,14 +114,11 @@ def _matmul(sch, M: int, epilogue: bool) -> None:
     if epilogue:  # applied per row while the row is hot; the sum lives in a local row
         sch.reverse_compute_at(sch.get_sblock("epilogue"), ii)
         sch.set_scope(blk, 0, "local")
-    if _vector_split(sch, j, M):
-        # an odd width split the block in two, each keeping its init: handles are stale
-        if epilogue:
-            _vector_split(sch, sch.get_loops(sch.get_sblock("epilogue"))[-1], M)
-        return
+    partitioned = _vector_split(sch, j, M)
     if epilogue:
         _vector_split(sch, sch.get_loops(sch.get_sblock("epilogue"))[-1], M)
-    sch.decompose_reduction(blk, k)
+    if not partitioned:  # an odd width split the block in two, each keeping its init
+        sch.decompose_reduction(blk, k)
 
 
 def _matmul_tn(sch, K: int, M: int) -> None:
