@@ -224,7 +224,7 @@ def cmd_run(args) -> int:
         x = graph.x if graph.x is not None else graph.dense_x()
     features = {i["name"]: x for i in node_inputs}
     ex = art.executor()
-    ex.reorder = args.reorder
+    ex.reorder, ex.formats = args.reorder, args.format
     t0 = time.perf_counter()
     binding = ex.bind(graph, features)
     t1 = time.perf_counter()
@@ -281,6 +281,9 @@ def _train(args, comm=None) -> int:
 
     if args.epochs < 0:
         raise GcompError("--epochs must be >= 0")
+    if comm is not None and args.format not in ("auto", "csr"):
+        raise GcompError(f"--format {args.format}: distributed training aggregates in CSR "
+                         f"(a shard's rows gather halo rows, which no square layout holds)")
     graph = load_graph(args.graph)
     if args.normalize_features:
         graph = normalize_features(graph)
@@ -307,7 +310,7 @@ def _train(args, comm=None) -> int:
     compile_s = time.perf_counter() - t0
     lead = comm is None or comm.rank == 0  # the rank that prints
     if comm is None:
-        trainer = Trainer(art, graph, seed=args.seed, reorder=args.reorder)
+        trainer = Trainer(art, graph, seed=args.seed, reorder=args.reorder, formats=args.format)
     else:
         from gcomp.distributed.trainer import DistributedTrainer
         parts = None
@@ -353,6 +356,8 @@ def _train(args, comm=None) -> int:
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "planned_mb": trainer._binding.memory["total_bytes"] / 2**20,
         "step": trainer.step_count,
+        "node_order": trainer._binding.reorder.get("chosen"),
+        "formats": {k: v["chosen"] for k, v in trainer._binding.formats.items()},
         **(best if args.best_val else {}),
     }
     if comm is not None:
@@ -454,6 +459,8 @@ def cmd_info(args) -> int:
 def _reorder_flag(p) -> None:
     p.add_argument("--reorder", default="auto", choices=["auto", "none", "rcm", "degree"],
                    help="node order for the kernels (auto: chosen by the cost model)")
+    p.add_argument("--format", default="auto", choices=["auto", "csr", "dense", "banded"],
+                   help="adjacency format of the aggregations (auto: chosen by the cost model)")
 
 
 def _model_flags(p) -> None:

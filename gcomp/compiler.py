@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import Counter
 
 from gcomp.codegen.build import build_library, device_code_format, make_target
-from gcomp.codegen.calibrate import calibrate_sparse_threshold
+from gcomp.codegen.calibrate import calibrate_formats, calibrate_sparse_threshold
 from gcomp.codegen.lower import lower
 from gcomp.codegen.optimizer import OptimizerConfig, add_optimizer
 from gcomp.errors import CompileError
@@ -40,10 +40,26 @@ def _set_thresholds(plans, model: Model, tgt: dict, fixed: float | None) -> None
                 p.variants[key].update(threshold=threshold, calibration=table)
 
 
+def _set_format_costs(plans, tgt: dict) -> None:
+    """Per-unit costs of the adjacency formats at each width an aggregation offers them."""
+    widths = {s["formats"]["width"] for p in plans if p for s in p.steps if "formats" in s}
+    if widths:
+        costs = calibrate_formats(widths, tgt)
+        for p in plans:
+            if p is not None:
+                p.formats = {"costs": costs}
+
+
+def target_formats(tgt: dict) -> tuple:
+    """The adjacency formats besides CSR with kernels for the target (the CPU's)."""
+    return ("dense", "banded") if tgt["kind"] == "llvm" else ()
+
+
 def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None = None,
                   mcpu: str | None = None, train: bool = False,
                   optimizer: OptimizerConfig | None = None,
-                  sparse_threshold: float | None = None, arch: str | None = None) -> Artifact:
+                  sparse_threshold: float | None = None, arch: str | None = None,
+                  formats: tuple | None = None) -> Artifact:
     """Compile ``model`` for ``target``; returns a runnable, savable artifact.
 
     ``train=True`` also compiles one whole training step (forward, masked cross-entropy,
@@ -51,11 +67,17 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
     the fraction of zeros in the node features above which the sparse-feature kernels run
     (default: measured on the target, ``gcomp/codegen/calibrate.py``).  ``arch`` is the
     CUDA architecture for ``target="cuda"`` (default ``sm_90``; ``docs/cuda.md``).
+    ``formats``: the adjacency formats besides CSR the runtime may choose between by the
+    bound graph (``gcomp/runtime/formats.py``; default: all the target has kernels for).
     """
     tgt = make_target(target, mcpu=mcpu, arch=arch)
+    formats = target_formats(tgt) if formats is None else tuple(formats)
+    unknown = set(formats) - set(target_formats(tgt))
+    if unknown:
+        raise CompileError(f"no {', '.join(sorted(unknown))} kernels for target {target!r}")
     ctx = ctx or PassContext(target=target)
     graph = default_pipeline()(model.graph.copy(), ctx)
-    plan, specs = lower(graph)
+    plan, specs = lower(graph, formats)
     ir = {"source": print_graph(model.graph), "optimized": print_graph(graph, show_meta=True)}
     train_plan, opt = None, None
     if train:
@@ -64,7 +86,7 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
         if "grads" not in tgraph.meta:
             raise CompileError("training needs the add_loss and autodiff passes; do not "
                                "disable them")
-        train_plan, tspecs = lower(tgraph)
+        train_plan, tspecs = lower(tgraph, formats)
         train_plan.loss = tgraph.outputs[0].name
         train_plan.grads = dict(tgraph.meta["grads"])
         add_optimizer(train_plan, tspecs, opt)
@@ -72,6 +94,7 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
         ir["training"] = print_graph(tgraph, show_meta=True)
     lib_path = build_library(specs, tgt)
     _set_thresholds([plan, train_plan], model, tgt, sparse_threshold)
+    _set_format_costs([plan, train_plan], tgt)
     params = {p.name: model.params[p.name] for p in model.graph.params}
     ops = dict(sorted(Counter(n.op.value for n in graph).items()))
     manifest = new_manifest({"name": model.name, **model.config}, model.signature(), tgt, ops,

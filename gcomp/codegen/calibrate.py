@@ -79,3 +79,86 @@ def calibrate_sparse_threshold(K: int, M: int, target: dict, training: bool = Fa
         else:
             break
     return threshold, table
+
+
+_FORMAT_COSTS: dict = {}  # (target, width) -> costs; measuring takes a few seconds
+LARGE_LAYOUT_BYTES = 64 << 20  # twice the last-level cache gcomp was tuned on
+
+
+def calibrate_formats(widths, target: dict, block: int = 32, rows: int = 2048,
+                      seed: int = 0) -> dict[str, dict]:
+    """Per-unit costs (ns) of the adjacency formats at each feature width, measured on the
+    target (``gcomp/runtime/formats.py`` predicts with them): CSR aggregation per edge;
+    dense and banded aggregation per layout entry, for a layout in cache and for one of
+    ``LARGE_LAYOUT_BYTES`` (``_large``: streamed from memory); packing a layout per
+    entry (both sizes) and per edge.
+
+    CSR and the small layouts are measured on a graph of ``rows`` nodes whose 16 in-edges
+    per node lie within ``block`` rows, so the CSR gathers hit the cache as they do on the
+    graphs where the other formats compete (small dense graphs, banded graphs); packing
+    on 4 and 32 edges per node, whose difference gives the per-edge part."""
+    import tvm
+
+    from gcomp.codegen.build import build_library
+
+    if target["kind"] != "llvm":
+        raise ValueError("adjacency formats are measured on the host CPU only")
+    key = str(sorted(target.items()))
+    todo = [F for F in sorted(set(widths)) if (key, F) not in _FORMAT_COSTS]
+    if todo:
+        specs = {("csr", F): KernelSpec.make("csr_agg", reduce="sum", H=1, C=F, weight="edge")
+                 for F in todo}
+        for fmt in ("dense", "banded"):
+            specs[("pack", fmt)] = KernelSpec.make("format_pack", fmt=fmt, weight="edge")
+            for F in todo:
+                specs[(fmt, F)] = KernelSpec.make("format_agg", fmt=fmt, reduce="sum", F=F,
+                                                  transpose=False)
+        lib = tvm.runtime.load_module(str(build_library({s.name: s for s in specs.values()},
+                                                        target)))
+        fn = {k: lib[s.name] for k, s in specs.items()}
+        for F in todo:
+            _FORMAT_COSTS[(key, F)] = _measure_formats(fn, F, block, rows, seed)
+    return {str(F): _FORMAT_COSTS[(key, F)] for F in set(widths)}
+
+
+def _measure_formats(fn, F: int, block: int, rows: int, seed: int) -> dict:
+    import tvm
+    rng = np.random.default_rng(seed)
+    dev = tvm.cpu()
+
+    def graph(n: int, per_row: int):
+        dst = np.repeat(np.arange(n), per_row)
+        src = np.clip(dst + rng.integers(-block, block + 1, dst.size), 0, n - 1)
+        indptr = np.arange(0, dst.size + 1, per_row, dtype=np.int64)
+        w = rng.standard_normal((dst.size, 1)).astype(np.float32)
+        return [tvm.runtime.tensor(a, dev) for a in (indptr, src.astype(np.int32), w)]
+
+    def features(n: int):
+        return (tvm.runtime.tensor(rng.standard_normal((n, F)).astype(np.float32), dev),
+                tvm.runtime.empty((n, F), "float32", dev))
+
+    g = graph(rows, 16)
+    x, out = features(rows)
+    costs = {"csr_edge_ns": _median_time(fn[("csr", F)], (*g, x, out)) / (16 * rows) * 1e9}
+    few, many = graph(rows, 4), graph(rows, 32)
+    for fmt in ("dense", "banded"):
+        large = (int(np.sqrt(LARGE_LAYOUT_BYTES / 4)) if fmt == "dense"
+                 else LARGE_LAYOUT_BYTES // (12 * block))
+        for n, suffix in ((rows, ""), (large, "_large")):
+            shape = (n, n) if fmt == "dense" else (-(-n // block), 3, block, block)
+            lay = tvm.runtime.empty(shape, "float32", dev)
+            entries = float(np.prod(shape))
+            sized = g if n == rows else graph(n, 4)
+            pack = _median_time(fn[("pack", fmt)], (*sized, lay))
+            if n == rows:  # the per-edge part, from 4 and 32 edges per row
+                per_edge = max(_median_time(fn[("pack", fmt)], (*many, lay)) -
+                               _median_time(fn[("pack", fmt)], (*few, lay)), 0.0) / (28 * rows)
+                costs["pack_edge_ns"] = per_edge * 1e9
+                pack -= 16 * rows * per_edge
+            else:
+                pack -= 4 * n * costs["pack_edge_ns"] * 1e-9
+            costs[f"pack_{fmt}_entry_ns{suffix}"] = max(pack, 0.0) / entries * 1e9
+            xs, outs = (x, out) if n == rows else features(n)
+            costs[f"{fmt}_entry_ns{suffix}"] = _median_time(
+                fn[(fmt, F)], (lay, sized[0], xs, outs), reps=3 if suffix else 5) / entries * 1e9
+    return costs

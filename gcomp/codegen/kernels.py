@@ -86,4 +86,4 @@ def define(spec: KernelSpec, target: str | None = None):
 
 # importing the definition modules registers them
 from gcomp.codegen import (aggregate_kernel, cpu_kernels, dense_kernels,  # noqa: E402,F401
-                           sparse_kernels)
+                           format_kernels, sparse_kernels)

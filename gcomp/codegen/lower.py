@@ -46,10 +46,11 @@ def _role(n: Node) -> str:
 
 
 class _Lowering:
-    def __init__(self, graph: Graph):
+    def __init__(self, graph: Graph, formats: tuple = ()):
         self.graph = graph
         self.plan = Plan()
         self.specs: dict[str, KernelSpec] = {}
+        self.formats = tuple(formats)
 
     # -------------------------------------------------------------- helpers
     def buffer(self, n: Node, dims=None, alias: str | None = None, name: str | None = None) -> str:
@@ -72,7 +73,7 @@ class _Lowering:
         return {"graph": g.name, "array": array}
 
     def step(self, n: Node, spec: KernelSpec, args: list, when: str | None = None,
-             unless: str | None = None) -> None:
+             unless: str | None = None) -> dict:
         """Emit a kernel call; ``when``/``unless`` name a runtime variant it belongs to."""
         self.specs[spec.name] = spec
         phase = n.meta.get("phase", "run")
@@ -83,6 +84,7 @@ class _Lowering:
         if unless:
             s["unless"] = unless
         (self.plan.bind_steps if phase == "bind" else self.plan.steps).append(s)
+        return s
 
     # -------------------------------------------------------------- sparse input features
     @staticmethod
@@ -132,6 +134,31 @@ class _Lowering:
         args = [self.farr(x, "csc_indptr"), self.farr(x, "csc_indices"), self.farr(x, "csc_eid"),
                 self.feature_values(x, drop), self.arg(dy), self.arg(n)]
         self.step(n, spec, args, when=key)
+
+    # -------------------------------------------------------------- adjacency formats
+    def offer_formats(self, g: Node, spec: KernelSpec, wview: list, step: dict,
+                      transpose: bool) -> None:
+        """Give an aggregation step (its args: graph arrays, weights, then x, extras, out)
+        the dense and banded kernels the runtime may run instead
+        (``gcomp/runtime/formats.py``): for sum and mean with one weight per edge or none,
+        run on every step (graph-static aggregations run once and stay CSR)."""
+        p = spec.p
+        if (not self.formats or p["weight"] == "head" or p["reduce"] not in ("sum", "mean")
+                or not self.plan.steps or step is not self.plan.steps[-1]):
+            return
+        fused = {k: p[k] for k in ("epilogue", "extras") if k in p}
+        kernels, packs = {}, {}
+        for fmt in self.formats:
+            agg = KernelSpec.make("format_agg", fmt=fmt, reduce=p["reduce"], F=p["H"] * p["C"],
+                                  transpose=transpose, **fused)
+            pack = KernelSpec.make("format_pack", fmt=fmt, weight=p["weight"])
+            self.specs[agg.name] = agg
+            self.specs[pack.name] = pack
+            kernels[fmt], packs[fmt] = agg.name, pack.name
+        step["formats"] = {"graph": g.name, "weights": wview[0] if wview else None,
+                           "width": p["H"] * p["C"], "transpose": transpose,
+                           "kernels": kernels, "pack": packs,
+                           "tail": len(step["args"]) - len(p.get("extras", ())) - 2}
 
     @staticmethod
     def lead(n: Node) -> str:
@@ -345,16 +372,17 @@ class _Lowering:
             head = [self.garr(g, "csc_indptr"), self.garr(g, "csc_indices")]
             if w is None:
                 spec = KernelSpec.make("csr_agg", reduce="sum", H=H, C=C, weight="none", **fused)
-                self.step(n, spec, head + tail)
+                args = head + tail
             else:
                 spec = KernelSpec.make("csr_agg", reduce="sum", H=H, C=C, weight=weight,
                                        indirect=True, **fused)
-                self.step(n, spec, head + [self.garr(g, "csc_eid")] + wview + tail)
+                args = head + [self.garr(g, "csc_eid")] + wview + tail
+            self.offer_formats(g, spec, wview, self.step(n, spec, args), transpose=True)
             return
         spec = KernelSpec.make("csr_agg", reduce=n.attrs["reduce"], H=H, C=C, weight=weight,
                                **fused)
-        args = [self.garr(g, "indptr"), self.garr(g, "indices")]
-        self.step(n, spec, args + wview + tail)
+        args = [self.garr(g, "indptr"), self.garr(g, "indices")] + wview + tail
+        self.offer_formats(g, spec, wview, self.step(n, spec, args), transpose=False)
 
     def lower_attention_aggregate(self, n: Node, out: Node | None = None,
                                   epilogue=((), (), [])) -> None:
@@ -553,5 +581,6 @@ class _Lowering:
         self.buffer(n, alias=root)
 
 
-def lower(graph: Graph) -> tuple[Plan, dict[str, KernelSpec]]:
-    return _Lowering(graph).run()
+def lower(graph: Graph, formats: tuple = ()) -> tuple[Plan, dict[str, KernelSpec]]:
+    """``formats``: the adjacency formats besides CSR the target has kernels for."""
+    return _Lowering(graph, formats).run()

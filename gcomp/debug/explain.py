@@ -10,6 +10,9 @@ plan, and, given a graph, the statistics the runtime decides by:
 * graph-static values computed once per bound graph instead of every run;
 * sparse node features: the calibrated threshold (and its measurements), the
   graph's sparsity, and the variant that runs;
+* adjacency formats: each format's per-unit costs measured on the target and, for
+  the graph, the predicted time of its aggregations in each format (or why a
+  format cannot hold it) and the one chosen;
 * the graph: nodes, edges, degree distribution, and the memory plan.
 """
 
@@ -59,17 +62,19 @@ def explain(graph: Graph, plans: dict, graph_data=None) -> dict:
             continue
         report["kernels"][label] = {"kernels": len(plan.kernels()), "run_steps": len(plan.steps),
                                     "bind_steps": len(plan.bind_steps)}
+        if plan.formats:
+            report["format_costs"] = plan.formats["costs"]
         for key, v in plan.variants.items():
             entry = {"plan": label, "variant": key, "threshold": v.get("threshold"),
                      "calibration": v.get("calibration", [])}
             report["sparse_features"].append(entry)
     if graph_data is not None:
         report["graph"] = graph_stats(graph_data)
-        from gcomp.runtime.executor import Executor
-        from gcomp.runtime.reorder import choose_order
+        from gcomp.runtime.executor import decide_layout
         plan = plans.get("training") or plans["inference"]
-        row_bytes = Executor._row_bytes(type("P", (), {"plan": plan})())
-        report["reorder_nodes"] = choose_order(graph_data, row_bytes)[1]
+        layout = decide_layout(plan, graph_data)
+        report["reorder_nodes"] = layout.reorder
+        report["formats"] = layout.formats
         for entry in report["sparse_features"]:
             s = report["graph"]["feature_sparsity"]
             entry["graph_sparsity"] = s
@@ -138,12 +143,26 @@ def render(report: dict) -> str:
         lines.append(f"node order: {r['chosen']} (working set {r['working_set_bytes'] / 2**20:.1f} "
                      f"MiB vs cache {r['cache_bytes'] / 2**20:.0f} MiB; mean gather distance in "
                      f"rows: {dist}{'; ' + r['reason'] if 'reason' in r else ''})")
+    if "format_costs" in report:
+        costs = "; ".join(f"{w} features: csr {c['csr_edge_ns']:.2f} ns/edge, dense "
+                          f"{c['dense_entry_ns']:.2f} ns/entry, banded {c['banded_entry_ns']:.2f}"
+                          f" ns/entry" for w, c in sorted(report["format_costs"].items(),
+                                                          key=lambda kv: int(kv[0])))
+        lines.append(f"adjacency format costs measured on the target: {costs}")
+    for gname, f in report.get("formats", {}).items():
+        est = ", ".join(f"{k} {v:.3f} ms" for k, v in f["cost_ms"].items())
+        why = "".join(f"; no {k}: {v}" for k, v in f["why_not"].items())
+        if "banded_narrowest_ms" in f:
+            why += (f"; banded in the narrowest band ({f['narrowest_block']}-row blocks) "
+                    f"{f['banded_narrowest_ms']:.3f} ms")
+        lines.append(f"format of {gname} ({f['steps']} aggregations; band blocks of "
+                     f"{f['block']} rows): {f['chosen']} (predicted per run: {est}{why})")
     if "graph" in report:
         g = report["graph"]
         d = g["in_degree"]
         lines.append(f"graph {g['name']}: {g['nodes']:,} nodes, {g['edges']:,} edges, in-degree "
                      f"mean {d['mean']:.2f} max {d['max']} p99 {d['p99']:.0f}, {d['isolated']} "
                      f"isolated, {g['self_loops']} self loops, density {g['density']:.2e}; "
-                     f"format CSR by destination (+ CSC for backward passes)")
+                     f"CSR by destination (+ CSC for backward passes)")
     return "\n".join(lines)
 

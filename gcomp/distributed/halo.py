@@ -271,6 +271,7 @@ class DistExecutor(Executor):
         super().__init__(plan, lib, params, store, device)
         self.shard, self.comm, self.global_graph = shard, comm, global_graph
         self.reorder = "none"  # rows stay [interior | boundary | halo]
+        self.formats = "csr"  # a shard's aggregations gather halo rows: no square layout
         self.force_variants = {k: False for k in plan.variants}  # sparse-X kernels sum over rows
         self.invalid_inputs = {"train_mask"}  # zero on halo rows (masks count owned nodes only)
         self.loss_scale = 1.0  # local / global training count (set by the trainer)

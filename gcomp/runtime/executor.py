@@ -23,11 +23,12 @@ import tvm
 
 from gcomp.errors import InputError
 from gcomp.runtime.data import GraphData, check_edge_values, check_features
+from gcomp.runtime import formats as fmts
 from gcomp.runtime.features import SparseFeatures, sparsity
 from gcomp.runtime.graph import GraphStructure
 from gcomp.runtime.memory import plan_memory
 from gcomp.runtime.plan import Plan
-from gcomp.runtime.reorder import choose_order, inverse, relabel
+from gcomp.runtime.reorder import choose_order, inverse, rcm_order, relabel
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Binding:
     features_src: dict = field(default_factory=dict)  # ids of the features bound with
     order: np.ndarray | None = None  # node order[i] of the user's graph is row i (reorder.py)
     reorder: dict = field(default_factory=dict)  # the cost model's numbers
+    formats: dict = field(default_factory=dict)  # graph value -> format report (formats.py)
     plan_steps: list = field(default_factory=list)  # the plan step of each entry of steps
     reads: set = field(default_factory=set)  # buffers the bound steps use (feed skips others)
 
@@ -53,6 +55,85 @@ def _rows(a, order):
 
 def _resolve(dims: list, sizes: dict[str, int]) -> tuple:
     return tuple(sizes[d] if isinstance(d, str) else int(d) for d in dims)
+
+
+def row_bytes(plan: Plan) -> int:
+    """Bytes of the widest node-tensor row (the gathered working set per node)."""
+    widths = [int(np.prod([d for d in b["dims"][1:]])) * 4 for b in plan.buffers.values()
+              if b["dims"] and b["dims"][0] == "N"]
+    return max(widths, default=4)
+
+
+@dataclass
+class Layout:
+    """Where a bound graph's rows go and how its adjacency is stored."""
+    order: np.ndarray | None  # order[i]: the user's node at row i (None: as given)
+    graph: GraphData  # in that order
+    features: dict | None
+    structures: dict[str, GraphStructure]
+    sizes: dict[str, int]  # N, E:<graph>
+    reorder: dict  # the node-order cost model's numbers (reorder.py)
+    chosen: dict[str, str]  # graph value -> adjacency format
+    formats: dict  # the format cost model's numbers (formats.py)
+    block: int  # rows per block of the banded format in this order
+
+
+def structures_of(plan: Plan, graph: GraphData, order) -> dict[str, GraphStructure]:
+    """CSR/CSC structure of every graph value of the plan, for the (reordered) graph."""
+    structures: dict[str, GraphStructure] = {}
+    for gspec in plan.graphs:
+        if gspec["parent"] is None:
+            structures[gspec["name"]] = GraphStructure.from_edge_index(graph.edge_index,
+                                                                      graph.num_nodes)
+        else:
+            structures[gspec["name"]] = structures[gspec["parent"]].derive(gspec["mode"], order)
+    return structures
+
+
+def decide_layout(plan: Plan, graph: GraphData, features: dict | None = None,
+                  reorder: str = "auto", formats: str = "auto", structures=None) -> Layout:
+    """The node order and adjacency formats for ``graph`` (numpy only, no device):
+    the order by the gather-distance model, then the formats by theirs; when the banded
+    format is wanted, or would be the fastest in a band as narrow as the degrees allow,
+    reverse Cuthill-McKee is tried and kept if it narrows the band.
+    ``structures(graph, order)`` builds the graph values (default ``structures_of``; the
+    distributed runtime builds shards)."""
+    structures = structures or (lambda g, o: structures_of(plan, g, o))
+
+    def arrange(order):
+        g, f = graph, features
+        if order is not None:  # every node-indexed array below uses the new numbering
+            g = relabel(graph, order)
+            f = {k: _rows(v, order) for k, v in (features or {}).items()}
+        st = structures(g, order)
+        sizes = {"N": g.num_nodes}
+        sizes.update({f"E:{k}": v.num_edges for k, v in st.items()})
+        return g, f, st, sizes
+
+    steps = fmts.format_steps(plan)
+    use_formats = formats != "csr" and bool(plan.formats) and bool(steps)
+
+    def choose(g, sizes, mode, narrowest=None):
+        if not use_formats:
+            return {}, {}
+        return fmts.choose(plan, sizes, fmts.band_block(g.edge_index), narrowest, mode)
+
+    order, reorder_report = choose_order(graph, row_bytes(plan), reorder)
+    g, f, st, sizes = arrange(order)
+    narrowest = fmts.narrowest_block(graph.edge_index, graph.num_nodes) if use_formats else None
+    chosen, report = choose(g, sizes, "auto", narrowest)
+    if (reorder in ("auto", "rcm") and reorder_report["chosen"] != "rcm"
+            and fmts.band_would_pay(report, formats)):
+        rcm = rcm_order(graph)  # RCM narrows the band of graphs that have one
+        rg, rf, rst, rsizes = arrange(rcm)
+        if fmts.band_block(rg.edge_index) < fmts.band_block(g.edge_index):
+            order, (g, f, st, sizes) = rcm, (rg, rf, rst, rsizes)
+            reorder_report.update(chosen="rcm", reason="narrows the band of the banded format")
+            chosen, report = choose(g, sizes, "auto")
+    if formats != "auto":
+        chosen, report = choose(g, sizes, formats)
+    return Layout(order, g, f, st, sizes, reorder_report, chosen, report,
+                  fmts.band_block(g.edge_index) if use_formats else 0)
 
 
 class Executor:
@@ -81,12 +162,7 @@ class Executor:
         self._binding: Binding | None = None
         self.force_variants: dict[str, bool] = {}  # variant key -> on/off, overriding the choice
         self.reorder = "auto"  # node order when binding: auto (cost model), none, rcm, degree
-
-    def _row_bytes(self) -> int:
-        """Bytes of the widest node-tensor row (the gathered working set per node)."""
-        widths = [int(np.prod([d for d in b["dims"][1:]])) * 4 for b in self.plan.buffers.values()
-                  if b["dims"] and b["dims"][0] == "N"]
-        return max(widths, default=4)
+        self.formats = "auto"  # adjacency format: auto (cost model) or one of formats.FORMATS
 
     def tensor(self, a: np.ndarray):
         a = np.array(a, order="C")  # np.array keeps 0-d shapes (ascontiguousarray does not)
@@ -126,13 +202,10 @@ class Executor:
             return b
         t0 = time.perf_counter()
         user_graph = graph
-        order, reorder_report = choose_order(graph, self._row_bytes(), self.reorder)
-        if order is not None:  # every node-indexed array below uses the new numbering
-            graph = relabel(graph, order)
-            features = {k: _rows(v, order) for k, v in (features or {}).items()}
-        structures = self._structures(graph, order)
-        sizes = {"N": graph.num_nodes}
-        sizes.update({f"E:{k}": s.num_edges for k, s in structures.items()})
+        lay = decide_layout(self.plan, graph, features, self.reorder, self.formats,
+                            self._structures)
+        order, graph, features, structures, sizes = (lay.order, lay.graph, lay.features,
+                                                     lay.structures, lay.sizes)
         active, sparse = self.choose_variants(graph, features)
         sizes.update({f"NNZ:{k}": f.nnz for k, f in sparse.items()})
         sizes.update({f"NNZ:{v['input']}": 0 for v in self.plan.variants.values()
@@ -185,7 +258,7 @@ class Executor:
                       for v in self.plan.variants.values()}
         b = Binding(user_graph, structures, sizes, buffers, memory=memory.summary(),
                     variants=active, features_src=bound_from, order=order,
-                    reorder=reorder_report)
+                    reorder=lay.reorder, formats=lay.formats)
         for inp in self.plan.inputs:
             if inp["role"] == "edge":
                 w = self._edge_input(graph, inp)
@@ -196,6 +269,7 @@ class Executor:
         run = [(s, args) for s in self.plan.steps
                if s.get("when", None) in active | {None} and s.get("unless") not in active
                for args in [args_of(s)] if self._launchable(args)]
+        run = self._in_formats(run, lay, graph_array, args_of)
         b.steps = [(self.functions[s["kernel"]], args) for s, args in run]
         b.plan_steps = [s for s, _ in run]
         used = {a["buf"] for s, _ in run for a in s["args"] if "buf" in a}
@@ -206,18 +280,42 @@ class Executor:
         self._binding = b  # one binding at a time: buffers are sized per graph
         return b
 
+    def _in_formats(self, run: list, lay: Layout, graph_array, args_of) -> list:
+        """The run steps with aggregations in their chosen formats: each layout is packed
+        once here when its weights are fixed for the graph, else by a step before its first
+        use on every run."""
+        if not any(f != "csr" for f in lay.chosen.values()):
+            return run
+        dynamic = fmts.dynamic_weights(self.plan)
+        layouts, out = {}, []
+        for s, args in run:
+            f = s.get("formats")
+            fmt = lay.chosen.get(f["graph"], "csr") if f else "csr"
+            if fmt == "csr":
+                out.append((s, args))
+                continue
+            wbuf = f["weights"]["buf"] if f["weights"] else None
+            key = (f["graph"], wbuf, fmt)
+            if key not in layouts:
+                g = lay.structures[f["graph"]]
+                layouts[key] = tvm.runtime.empty(fmts.layout_shape(fmt, g.num_nodes, lay.block),
+                                                 "float32", self.device)
+                weights = args_of({"args": [f["weights"]]}) if wbuf else ()
+                pack_args = (graph_array(f["graph"], "indptr"), graph_array(f["graph"], "indices"),
+                             *weights, layouts[key])
+                pack = {"kernel": f["pack"][fmt], "node": s["node"], "op": "format_pack",
+                        "attrs": {"format": fmt}, "args": []}
+                if wbuf in dynamic:
+                    out.append((pack, pack_args))
+                else:
+                    self.functions[pack["kernel"]](*pack_args)
+            out.append(({**s, "kernel": f["kernels"][fmt]},
+                        (layouts[key], args[0]) + tuple(args[f["tail"]:])))
+        return out
+
     # hooks for runtimes that shard the graph (gcomp/distributed/halo.py overrides them)
     def _structures(self, graph: GraphData, order) -> dict[str, GraphStructure]:
-        """CSR/CSC structure of every graph value of the plan, for the (reordered) graph."""
-        structures: dict[str, GraphStructure] = {}
-        for gspec in self.plan.graphs:
-            if gspec["parent"] is None:
-                structures[gspec["name"]] = GraphStructure.from_edge_index(graph.edge_index,
-                                                                          graph.num_nodes)
-            else:
-                structures[gspec["name"]] = structures[gspec["parent"]].derive(gspec["mode"],
-                                                                                order)
-        return structures
+        return structures_of(self.plan, graph, order)
 
     def _node_ids(self, graph: GraphData, order) -> np.ndarray:
         """The user's id of each node row (dropout masks hash it)."""

@@ -28,6 +28,12 @@ a graph value) or ints.
   Their arguments may name ``{"features": input, "array": ...}``: the features'
   nonzeros (``indptr``, ``indices``, ``rows``, ``values``, ``csc_indptr``,
   ``csc_indices``, ``csc_eid``), sized by the dimension ``NNZ:<input>``.
+* ``formats``: ``{"costs": {width: per-unit costs in ns}}`` measured on the target, for
+  the run steps that carry ``"formats"``: the dense and banded kernels that may replace
+  a CSR aggregation (``kernels``, ``pack``: layout packing kernels), the graph value,
+  the weights argument (or None), the feature ``width``, ``transpose`` (aggregation over
+  out-edges), ``block`` and ``tail`` (index of the first argument, x, the replacement
+  keeps); ``gcomp/runtime/formats.py`` chooses.
 * training plans: ``loss`` (buffer of the scalar loss) and ``grads``
   (parameter -> gradient buffer); their ``steps`` end with the optimizer
   updates, so one pass over ``steps`` is one whole training step.
@@ -54,6 +60,7 @@ class Plan:
     loss: str | None = None
     grads: dict[str, str] = field(default_factory=dict)
     variants: dict[str, dict] = field(default_factory=dict)
+    formats: dict = field(default_factory=dict)
     bind_steps: list[dict] = field(default_factory=list)
     steps: list[dict] = field(default_factory=list)
     version: int = PLAN_VERSION
@@ -69,4 +76,7 @@ class Plan:
         seen = {}
         for s in self.bind_steps + self.steps:
             seen.setdefault(s["kernel"], None)
+            for alt in ("kernels", "pack"):
+                for k in s.get("formats", {}).get(alt, {}).values():
+                    seen.setdefault(k, None)
         return list(seen)

@@ -58,9 +58,11 @@ def require_training(artifact) -> None:
 
 class Trainer:
     def __init__(self, artifact, graph: GraphData, seed: int = 0,
-                 variants: dict[str, bool] | None = None, reorder: str = "auto"):
+                 variants: dict[str, bool] | None = None, reorder: str = "auto",
+                 formats: str = "auto"):
         """``variants`` forces kernel variants on or off (``plan.variants``; default: chosen
-        by the graph's statistics); ``reorder`` the node order (``runtime/reorder.py``)."""
+        by the graph's statistics); ``reorder`` the node order (``runtime/reorder.py``);
+        ``formats`` the adjacency format (``runtime/formats.py``)."""
         require_training(artifact)
         self.artifact = artifact
         self.graph = graph
@@ -72,7 +74,7 @@ class Trainer:
         self.eval_ex = Executor(artifact.plan, lib, artifact.params, self.store, dev)
         for ex in (self.train_ex, self.eval_ex):
             ex.force_variants = dict(variants or {})
-            ex.reorder = reorder
+            ex.reorder, ex.formats = reorder, formats
         self._set_masks(graph, seed)
         self.step_count = 0
         self._bind_and_feed(graph, self.train_mask)

@@ -1,0 +1,176 @@
+"""The adjacency format of each graph value, chosen by a cost model when a graph is bound.
+
+Aggregation steps that the compiler gave dense and banded kernels
+(``step["formats"]``, ``gcomp/codegen/format_kernels.py``) run in the format the
+model predicts fastest for the bound graph:
+
+* ``csr``: one gathered source row per edge; cost ``edges x c_csr``.
+* ``dense``: A as an n x n matrix; cost ``n^2 x c_dense``.  Only while the
+  matrix takes at most ``DENSE_MAX_BYTES``.
+* ``banded``: block tridiagonal in blocks of B rows; cost ``n x 3B x c_band``.
+  B is the graph's bandwidth (the largest |src - dst|) rounded up to a multiple
+  of 8, so every edge joins rows at most one block apart; while the band takes
+  at most ``BAND_MAX_BYTES``.  When a band as narrow as the degrees allow
+  (bandwidth >= half the largest degree) would be the fastest format, the
+  executor tries reverse Cuthill-McKee to narrow it (``gcomp/runtime/reorder.py``).
+
+The per-unit costs ``c_*`` (ns, per feature width; for dense and banded, one
+for a layout in cache and one for a layout over a quarter of ``CACHE_BYTES``,
+which shares the cache with the features) are measured on the target when the
+model is compiled (``gcomp/codegen/calibrate.py``) and stored in the plan.  A
+format's layout is packed from the CSR arrays and the edge weights once per bound
+graph when the weights are fixed for it (no weights, or weights computed when
+binding, like GCN's normalization); weights computed on every run are packed on
+every run, and the model adds that cost.  One format serves every
+step over a graph value (forward and backward share the packed layout).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gcomp.errors import InputError
+from gcomp.runtime.reorder import CACHE_BYTES
+
+FORMATS = ("csr", "dense", "banded")
+MODES = ("auto",) + FORMATS
+DENSE_MAX_BYTES = 256 << 20
+BAND_MAX_BYTES = 1 << 30
+GROUP = 8  # block sizes are multiples of the kernels' row group (format_kernels.GROUP)
+
+
+def _round_up(v: int) -> int:
+    return max(GROUP, -(-int(v) // GROUP) * GROUP)
+
+
+def band_block(edge_index: np.ndarray) -> int:
+    """The block size of the banded format in this node order: the bandwidth (largest
+    |src - dst|) rounded up to a multiple of GROUP.  Edges then join rows at most one
+    block apart: |i - j| <= B implies |i // B - j // B| <= 1."""
+    if edge_index.shape[1] == 0:
+        return GROUP
+    return _round_up(np.abs(edge_index[0] - edge_index[1]).max())
+
+
+def narrowest_block(edge_index: np.ndarray, num_nodes: int) -> int:
+    """A lower bound on the block size any node order can give: a node with d distinct
+    neighbours (either direction) needs bandwidth >= d / 2."""
+    off = edge_index[:, edge_index[0] != edge_index[1]]
+    if off.shape[1] == 0:
+        return GROUP
+    pairs = np.unique(np.minimum(off[0], off[1]) * num_nodes + np.maximum(off[0], off[1]))
+    deg = np.bincount(np.concatenate([pairs // num_nodes, pairs % num_nodes]),
+                      minlength=num_nodes)
+    return _round_up((int(deg.max()) + 1) // 2)
+
+
+def layout_shape(fmt: str, n: int, block: int) -> tuple:
+    return (n, n) if fmt == "dense" else ((n + block - 1) // block, 3, block, block)
+
+
+def format_steps(plan) -> dict[str, list[dict]]:
+    """Run steps offering other formats, by the graph value they aggregate over."""
+    by_graph: dict[str, list[dict]] = {}
+    for s in plan.steps:
+        if "formats" in s:
+            by_graph.setdefault(s["formats"]["graph"], []).append(s)
+    return by_graph
+
+
+def dynamic_weights(plan) -> set[str]:
+    """Buffers a run step writes (its last argument), or views of them: weights there
+    change every run."""
+    def root(b):
+        return plan.buffers.get(b, {}).get("alias", b)
+    written = {root(s["args"][-1]["buf"]) for s in plan.steps if "buf" in s["args"][-1]}
+    return {b for b in plan.buffers if root(b) in written}
+
+
+def _costs(plan, width: int) -> dict:
+    table = plan.formats["costs"]
+    if str(width) in table:
+        return table[str(width)]
+    near = min(table, key=lambda w: abs(int(w) - width))  # per-feature costs scale with width
+    return {k: v * width / int(near) for k, v in table[near].items()}
+
+
+def estimate(plan, steps: list[dict], n: int, edges: int, fmt: str, block: int,
+             dynamic: set[str]) -> float:
+    """Predicted ms per run of ``steps`` (over one graph value) in ``fmt``."""
+    total = 0.0
+    packed = set()
+    entries = n * n if fmt == "dense" else layout_shape(fmt, n, block)[0] * 3 * block * block
+    # streamed from memory: the layout shares the cache with the features it multiplies
+    size = "_large" if entries * 4 > CACHE_BYTES // 4 else ""
+    for s in steps:
+        c = _costs(plan, s["formats"]["width"])
+        if fmt == "csr":
+            total += edges * c["csr_edge_ns"]
+            continue
+        total += entries * c[f"{fmt}_entry_ns{size}"]
+        w = s["formats"]["weights"]
+        if w is not None and w["buf"] in dynamic and w["buf"] not in packed:
+            packed.add(w["buf"])
+            total += entries * c[f"pack_{fmt}_entry_ns{size}"] + edges * c["pack_edge_ns"]
+    return total * 1e-6
+
+
+def feasible(fmt: str, n: int, block: int) -> str | None:
+    """None when ``fmt`` can hold the graph in memory, else why not."""
+    if fmt == "dense" and n * n * 4 > DENSE_MAX_BYTES:
+        return f"a dense matrix of {n}^2 floats exceeds {DENSE_MAX_BYTES >> 20} MiB"
+    if fmt == "banded" and n * 3 * block * 4 > BAND_MAX_BYTES:
+        return f"a band of {block}-row blocks exceeds {BAND_MAX_BYTES >> 20} MiB"
+    return None
+
+
+def choose(plan, sizes: dict[str, int], block: int, narrowest: int | None = None,
+           mode: str = "auto") -> tuple[dict, dict]:
+    """({graph value: format}, report) for a graph of ``sizes`` (``N``, ``E:<graph>``)
+    whose band in the current order needs blocks of ``block`` rows; ``narrowest``: the
+    block no order can beat, to predict whether reordering into a band would pay."""
+    if mode not in MODES:
+        raise InputError(f"unknown format {mode!r}; formats: {', '.join(MODES)}")
+    chosen, report = {}, {}
+    n = sizes["N"]
+    dynamic = dynamic_weights(plan)
+    for gname, steps in format_steps(plan).items():
+        edges = sizes[f"E:{gname}"]
+        offered = ["csr"] + [f for f in FORMATS[1:] if f in steps[0]["formats"]["kernels"]]
+        entry = {"steps": len(steps), "block": block, "cost_ms": {}, "why_not": {}}
+        for fmt in offered:
+            why = feasible(fmt, n, block)
+            if why is None:
+                entry["cost_ms"][fmt] = estimate(plan, steps, n, edges, fmt, block, dynamic)
+            else:
+                entry["why_not"][fmt] = why
+        if "banded" in offered and narrowest is not None and narrowest < block \
+                and feasible("banded", n, narrowest) is None:
+            entry["narrowest_block"] = narrowest
+            entry["banded_narrowest_ms"] = estimate(plan, steps, n, edges, "banded", narrowest,
+                                                    dynamic)
+        if mode == "auto":
+            fmt = min(entry["cost_ms"], key=entry["cost_ms"].get)
+        else:
+            if mode not in offered:
+                raise InputError(f"format {mode!r} is not compiled into this plan "
+                                 f"(it offers {', '.join(offered)})")
+            if mode in entry["why_not"]:
+                raise InputError(f"graph value {gname!r} cannot run as {mode}: "
+                                 f"{entry['why_not'][mode]}")
+            fmt = mode
+        entry["chosen"] = chosen[gname] = fmt
+        report[gname] = entry
+    return chosen, report
+
+
+def band_would_pay(report: dict, mode: str) -> bool:
+    """Whether narrowing the band by reordering the nodes is worth trying: the banded format
+    is wanted (``mode``), or in the narrowest band it would beat the current choice."""
+    for entry in report.values():
+        if "banded_narrowest_ms" not in entry:
+            continue
+        if mode == "banded" or entry["banded_narrowest_ms"] < min(entry["cost_ms"].values(),
+                                                                  default=float("inf")):
+            return True
+    return False

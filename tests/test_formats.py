@@ -1,0 +1,314 @@
+"""Dense and banded adjacency formats: kernels against numpy, models in each format against
+the float64 interpreter, and the cost model that chooses between them and CSR."""
+
+import json
+
+import numpy as np
+import pytest
+import tvm
+from conftest import awkward_graph, ref_inputs, rel_err
+from test_training import labelled
+
+import gcomp.models as models
+from gcomp.cli import main
+from gcomp.codegen.build import build_library, make_target
+from gcomp.codegen.kernels import KernelSpec
+from gcomp.compiler import compile_model
+from gcomp.errors import InputError
+from gcomp.ir import RefGraph, interpret
+from gcomp.passes import training_pipeline
+from gcomp.runtime import formats as fmts
+from gcomp.runtime.data import GraphData
+from gcomp.runtime.executor import decide_layout
+from gcomp.runtime.trainer import Trainer
+
+MODELS = ["gcn", "sage", "gin", "gat"]
+
+
+def band_graph(n=200, edges=1500, reach=12, features=12, shuffle=True, seed=0) -> GraphData:
+    """Edges join nodes at most ``reach`` apart (a band), numbered at random when
+    ``shuffle`` (reverse Cuthill-McKee recovers a band), with weights and self loops."""
+    rng = np.random.default_rng(seed)
+    dst = rng.integers(0, n, edges)
+    src = np.clip(dst + rng.integers(-reach, reach + 1, edges), 0, n - 1)
+    ids = rng.permutation(n) if shuffle else np.arange(n)
+    return GraphData("band", n, ids[np.stack([src, dst])],
+                     rng.standard_normal((n, features)).astype(np.float32),
+                     rng.uniform(0.1, 2.0, edges).astype(np.float32), None)
+
+
+def dense_graph(n=96, copies=2, features=12, seed=0) -> GraphData:
+    """Every ordered pair of nodes joined ``copies`` times: density ``copies``."""
+    rng = np.random.default_rng(seed)
+    src, dst = np.meshgrid(np.arange(n), np.arange(n))
+    ei = np.tile(np.stack([src.ravel(), dst.ravel()]), copies)
+    return GraphData("complete", n, ei, rng.standard_normal((n, features)).astype(np.float32),
+                     None, None)
+
+
+# ------------------------------------------------------------------ kernels
+@pytest.fixture(scope="module")
+def kernels():
+    specs = {}
+    for fmt in ("dense", "banded"):
+        for weight in ("none", "edge"):
+            specs[("pack", fmt, weight)] = KernelSpec.make("format_pack", fmt=fmt,
+                                                           weight=weight)
+        for F in (7, 45):
+            for reduce, tr in (("sum", False), ("sum", True), ("mean", False)):
+                specs[(fmt, F, reduce, tr)] = KernelSpec.make(
+                    "format_agg", fmt=fmt, reduce=reduce, F=F, transpose=tr)
+        specs[(fmt, "epilogue")] = KernelSpec.make(
+            "format_agg", fmt=fmt, reduce="sum", F=7, transpose=False,
+            epilogue=(("add", (), 0, False), ("relu", (), None, False)), extras=("vec",))
+    lib = tvm.runtime.load_module(str(build_library({s.name: s for s in specs.values()},
+                                                    make_target("llvm"))))
+    return {k: lib[s.name] for k, s in specs.items()}
+
+
+@pytest.mark.parametrize("fmt,block", [("dense", 0), ("banded", 8), ("banded", 32),
+                                       ("banded", 40)])
+@pytest.mark.parametrize("n", [1, 31, 77, 200])
+@pytest.mark.parametrize("F", [7, 45])
+def test_format_kernels_equal_numpy(kernels, fmt, block, n, F):
+    """Sums over in-edges and out-edges (transpose) and means, weighted or not, with
+    duplicate edges, rows without edges and a last block shorter than the others; the
+    banded kernels take any block size that is a multiple of 8 (from the layout)."""
+    rng = np.random.default_rng(n + F)
+    E = 6 * n
+    dst = np.sort(rng.integers(0, n, E))
+    dst[: E // 10] = dst[0]  # one busy row, and some rows left without edges
+    reach = block or n
+    src = np.clip(dst + rng.integers(-reach, reach + 1, E), 0, n - 1)
+    order = np.argsort(dst, kind="stable")
+    dst, src = dst[order], src[order]
+    indptr = np.concatenate([[0], np.cumsum(np.bincount(dst, minlength=n))]).astype(np.int64)
+    w = rng.uniform(-1, 1, (E, 1)).astype(np.float32)
+    x = rng.standard_normal((n, F)).astype(np.float32)
+    t = tvm.runtime.tensor
+    assert fmt == "dense" or fmts.band_block(np.stack([src, dst])) <= block
+    layout = tvm.runtime.empty(fmts.layout_shape(fmt, n, block), "float32")
+    for weight in ("none", "edge"):
+        a = np.zeros((n, n))
+        np.add.at(a, (dst, src), 1.0 if weight == "none" else w[:, 0].astype(np.float64))
+        kernels[("pack", fmt, weight)](t(indptr), t(src.astype(np.int32)),
+                                       *([t(w)] if weight == "edge" else []), layout)
+        deg = np.maximum(np.diff(indptr), 1)[:, None]
+        for reduce, tr, want in (("sum", False, a @ x), ("sum", True, a.T @ x),
+                                 ("mean", False, a @ x / deg)):
+            out = tvm.runtime.empty((n, F), "float32")
+            kernels[(fmt, F, reduce, tr)](layout, t(indptr), t(x), out)
+            assert rel_err(out.numpy(), want) <= 1e-5, (weight, reduce, tr)
+
+
+@pytest.mark.parametrize("fmt", ["dense", "banded"])
+def test_format_kernels_apply_the_epilogue(kernels, fmt):
+    n, F = 40, 7
+    rng = np.random.default_rng(1)
+    src, dst = rng.integers(0, n, (2, 200))
+    src = np.clip(dst + (src % 9) - 4, 0, n - 1)
+    order = np.argsort(dst, kind="stable")
+    dst, src = dst[order], src[order]
+    indptr = np.concatenate([[0], np.cumsum(np.bincount(dst, minlength=n))]).astype(np.int64)
+    x = rng.standard_normal((n, F)).astype(np.float32)
+    bias = rng.standard_normal(F).astype(np.float32)
+    t = tvm.runtime.tensor
+    layout = tvm.runtime.empty(fmts.layout_shape(fmt, n, fmts.band_block(np.stack([src, dst]))),
+                               "float32")
+    kernels[("pack", fmt, "none")](t(indptr), t(src.astype(np.int32)), layout)
+    out = tvm.runtime.empty((n, F), "float32")
+    kernels[(fmt, "epilogue")](layout, t(indptr), t(x), t(bias), out)
+    a = np.zeros((n, n))
+    np.add.at(a, (dst, src), 1.0)
+    assert rel_err(out.numpy(), np.maximum(a @ x + bias, 0)) <= 1e-5
+
+
+# ------------------------------------------------------------------ models
+@pytest.mark.parametrize("fmt", ["dense", "banded"])
+@pytest.mark.parametrize("name", MODELS)
+def test_models_in_each_format_equal_the_interpreter(name, fmt):
+    g = band_graph()
+    m = models.build(name, 12, hidden=8, out_channels=5, layers=3, heads=3, seed=0,
+                     edge_weight=name == "gcn")
+    ex = compile_model(m).executor()
+    ex.formats = fmt
+    out = ex.run(g)[0]
+    ref = interpret(m.graph, ref_inputs(m.graph, g), m.params)[0]
+    assert rel_err(out, ref) <= 1e-4
+    chosen = {k: v["chosen"] for k, v in ex._binding.formats.items()}
+    if name == "gat":  # attention aggregates in one fused CSR kernel
+        assert not chosen
+        return
+    assert chosen and set(chosen.values()) == {fmt}
+    if fmt == "banded":  # the shuffled band only fits after reverse Cuthill-McKee
+        assert ex._binding.reorder["chosen"] == "rcm"
+
+
+@pytest.mark.parametrize("fmt", ["dense", "banded"])
+@pytest.mark.parametrize("name", MODELS)
+def test_training_in_each_format_equals_the_interpreter(name, fmt):
+    """Forward and backward (aggregation over out-edges) share one packed layout; GAT's
+    one-head last layer packs its attention weights on every step."""
+    g = labelled(band_graph(features=6, seed=2), 3)
+    g.edge_weight = None
+    m = models.build(name, 6, hidden=8, out_channels=3, layers=3, heads=2, seed=1)
+    tr = Trainer(compile_model(m, train=True), g, seed=2, formats=fmt)
+    assert set(tr._binding.formats[k]["chosen"] for k in tr._binding.formats) == {fmt}
+    if name == "gat":
+        assert any(s["op"] == "format_pack" for s in tr._binding.plan_steps)
+    params0 = tr.parameters()
+    loss = tr.step()
+    tg = training_pipeline()(m.graph.copy())
+    inputs = {"x": g.x, "edge_index": RefGraph.from_edge_index(g.edge_index, g.num_nodes),
+              "labels": g.y, "train_mask": tr.train_mask.astype(np.float64),
+              "rng_step": (1 + 2 * 1_000_003) % (1 << 31)}
+    outs = interpret(tg, {k: v for k, v in inputs.items() if tg.has(k)}, params0)
+    assert abs(loss - outs[0]) <= 1e-4 * abs(outs[0])
+    grads = tr.gradients()
+    for pname, ref in zip(tg.meta["grads"], outs[1:]):
+        assert rel_err(grads[pname], ref) <= 1e-4, pname
+
+
+def test_graph_without_edges_in_each_format():
+    g = band_graph(n=40, edges=10)
+    g.edge_index = np.zeros((2, 0), np.int64)
+    g.edge_weight = None
+    m = models.build("sage", 12, hidden=4, out_channels=2, layers=2)
+    ex = compile_model(m).executor()
+    ref = interpret(m.graph, ref_inputs(m.graph, g), m.params)[0]
+    for fmt in ("dense", "banded"):
+        ex.formats, ex._binding = fmt, None
+        assert rel_err(ex.run(g)[0], ref) <= 1e-5
+
+
+# ------------------------------------------------------------------ cost model
+def test_measured_costs_choose_dense_for_a_doubly_complete_graph():
+    g = dense_graph()
+    m = models.build("gin", 12, hidden=16, out_channels=3, layers=2)
+    art = compile_model(m)
+    out = art.run(g)[0]
+    report = art.executor()._binding.formats
+    assert [f["chosen"] for f in report.values()] == ["dense"], report
+    ref = interpret(m.graph, ref_inputs(m.graph, g), m.params)[0]
+    assert rel_err(out, ref) <= 1e-4
+
+
+def _plan_with_costs(csr, dense, banded, pack_entry=0.0):
+    plan = compile_model(models.build("gin", 12, hidden=16, out_channels=3, layers=2)).plan
+    unit = {"csr_edge_ns": csr, "dense_entry_ns": dense, "banded_entry_ns": banded,
+            "pack_dense_entry_ns": pack_entry, "pack_banded_entry_ns": pack_entry,
+            "pack_edge_ns": 0.0}
+    plan.formats = {"costs": {w: dict(unit) for w in plan.formats["costs"]}}
+    return plan
+
+
+def test_band_block_is_the_bandwidth_rounded_up_to_eight():
+    assert fmts.band_block(np.array([[0, 5, 9], [3, 5, 1]])) == 8
+    assert fmts.band_block(np.array([[0, 17], [17, 0]])) == 24
+    assert fmts.band_block(np.zeros((2, 0), np.int64)) == 8
+    rng = np.random.default_rng(0)
+    for _ in range(20):  # every edge within one block of the other end
+        ei = rng.integers(0, 500, (2, 300))
+        B = fmts.band_block(ei)
+        assert np.abs(ei[0] // B - ei[1] // B).max() <= 1
+    # a star's centre has 40 neighbours: no order gives a bandwidth under 20
+    star = np.stack([np.zeros(40, np.int64), np.arange(1, 41)])
+    assert fmts.narrowest_block(star, 41) == 24
+    both_ways = np.concatenate([star, star[::-1], star], axis=1)  # the same 40 neighbours
+    assert fmts.narrowest_block(both_ways, 41) == 24
+
+
+def test_cost_model_picks_the_cheapest_feasible_format():
+    g = band_graph(n=256, edges=4000, reach=12, shuffle=False)
+    steps = len(fmts.format_steps(_plan_with_costs(1, 1, 1)).popitem()[1])
+    E, n = 4000, 256
+    # csr: E x 1; dense: n^2 x 0.1; banded: ceil(n / B) x 3B^2 x 0.1
+    lay = decide_layout(_plan_with_costs(1.0, 0.1, 0.1), g)
+    (entry,) = lay.formats.values()
+    B = entry["block"]
+    assert B == 16  # reach 12
+    assert entry["cost_ms"]["csr"] == pytest.approx(steps * E * 1e-6)
+    assert entry["cost_ms"]["dense"] == pytest.approx(steps * n * n * 0.1e-6)
+    assert entry["cost_ms"]["banded"] == pytest.approx(steps * n * 3 * B * 0.1e-6)
+    assert entry["chosen"] == "banded" and lay.reorder["chosen"] == "given"
+    assert list(decide_layout(_plan_with_costs(1.0, 0.01, 1.0), g).chosen.values()) == ["dense"]
+    assert list(decide_layout(_plan_with_costs(0.1, 1.0, 1.0), g).chosen.values()) == ["csr"]
+
+
+def test_reverse_cuthill_mckee_is_tried_only_when_the_band_would_pay():
+    g = band_graph(n=256, edges=4000, reach=12)  # shuffled: a wide band in the given order
+    cheap_band = decide_layout(_plan_with_costs(1.0, 10.0, 0.1), g)
+    assert cheap_band.reorder["chosen"] == "rcm"
+    assert list(cheap_band.chosen.values()) == ["banded"]
+    assert cheap_band.block < fmts.band_block(g.edge_index)
+    assert fmts.band_block(cheap_band.graph.edge_index) == cheap_band.block
+    dear_band = decide_layout(_plan_with_costs(1.0, 10.0, 10.0), g)
+    assert dear_band.reorder["chosen"] == "given"
+    assert list(dear_band.chosen.values()) == ["csr"]
+    (entry,) = dear_band.formats.values()
+    assert entry["banded_narrowest_ms"] > entry["cost_ms"]["csr"]
+
+
+def test_weights_computed_every_run_add_the_packing_cost():
+    g = band_graph(n=256, edges=4000, shuffle=False)
+    m = models.build("gat", 12, hidden=8, out_channels=3, layers=2, heads=1)
+    plan = compile_model(m, train=True).train_plan
+    unit = {"csr_edge_ns": 1.0, "dense_entry_ns": 0.1, "banded_entry_ns": 0.1,
+            "pack_dense_entry_ns": 1.0, "pack_banded_entry_ns": 1.0, "pack_edge_ns": 0.0}
+    plan.formats = {"costs": {w: dict(unit) for w in plan.formats["costs"]}}
+    (entry,) = decide_layout(plan, g).formats.values()
+    B = entry["block"]
+    steps = fmts.format_steps(plan).popitem()[1]
+    weights = {s["formats"]["weights"]["buf"] for s in steps}
+    assert len(weights) == 2  # each layer's attention weights, forward and backward
+    # one pack of n x 3B entries per run for each weights buffer, shared by its steps
+    assert entry["cost_ms"]["banded"] == pytest.approx(
+        (len(steps) * 0.1 + len(weights) * 1.0) * 256 * 3 * B * 1e-6)
+    assert entry["cost_ms"]["banded"] > len(steps) * 0.1 * 256 * 3 * B * 1e-6
+
+
+def test_formats_that_cannot_hold_the_graph_are_refused_by_name():
+    m = models.build("gcn", 12, hidden=8, out_channels=3, layers=2)
+    ex = compile_model(m).executor()
+    ex.formats, ex.reorder = "banded", "none"  # RCM would narrow this band
+    wide = band_graph(n=100_000, edges=100, reach=100_000, shuffle=False)
+    with pytest.raises(InputError, match="cannot run as banded: a band of .*-row blocks "
+                                         "exceeds 1024 MiB"):
+        ex.run(wide)
+    ex.formats, ex._binding = "dense", None
+    big = band_graph(n=9000, edges=100)
+    with pytest.raises(InputError, match="cannot run as dense: a dense matrix of 9000"):
+        ex.run(big)
+    csr_only = compile_model(m, formats=()).executor()
+    csr_only.formats = "dense"
+    assert csr_only.run(band_graph())[0].shape == (200, 3)  # no alternative: CSR
+    assert not any("formats" in s for s in csr_only.plan.steps)
+
+
+def test_cli_run_and_train_take_a_format(tmp_path, capsys):
+    g = band_graph(n=120, edges=900, features=8)
+    g.y = np.arange(120) % 3
+    gpath = tmp_path / "band.npz"
+    np.savez(gpath, edge_index=g.edge_index, x=g.x, y=g.y)
+    art = tmp_path / "sage.gcomp"
+    assert main(["compile", "sage", "--in", "8", "--hidden", "8", "--out", "3",
+                 "-o", str(art)]) == 0
+    outs = {}
+    for fmt in ("csr", "banded"):
+        assert main(["run", str(art), "--graph", str(gpath), "--format", fmt,
+                     "--out", str(tmp_path / f"{fmt}.npy")]) == 0
+        outs[fmt] = np.load(tmp_path / f"{fmt}.npy")
+    assert rel_err(outs["banded"], outs["csr"]) <= 1e-5
+    capsys.readouterr()
+    assert main(["train", "gcn", "--graph", str(gpath), "--epochs", "2", "--hidden", "8",
+                 "--format", "dense", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result["formats"].values()) == {"dense"}
+
+
+def test_explain_shows_the_format_costs(capsys):
+    assert main(["explain", "gin", "--in", "1433", "--graph", "cora"]) == 0
+    text = capsys.readouterr().out
+    assert "adjacency format costs measured on the target" in text
+    assert "format of edge_index (2 aggregations; band blocks of " in text
+    assert "): csr (predicted per run: csr " in text
