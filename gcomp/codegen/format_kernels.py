@@ -23,7 +23,8 @@ in cache while the source rows stream past it.
 
 Arguments: pack: indptr (int64, n+1), indices (int32, nnz), [w (float32, nnz x 1)],
 layout (dense: n x n; banded: nb x 3 x B x B, nb = ceil(n / B), B a multiple of
-GROUP).  Aggregation: layout, indptr (n+1: the degrees of ``mean``), x (n x F), extras..., out (n x F).
+GROUP).  Aggregation: layout, indptr (n+1: the degrees of ``mean``), x (n x F),
+extras..., out (n x F).
 """
 
 from __future__ import annotations
