@@ -101,9 +101,13 @@ def cmd_compile(args) -> int:
     t0 = time.perf_counter()
     model = _model_from_args(args)
     ctx, timing = _pass_context(args)
+    graph = None
+    if args.graph:
+        from gcomp.runtime.data import load_graph
+        graph = load_graph(args.graph)
     art = compile_model(model, args.target, mcpu=args.mcpu, train=args.train, ctx=ctx,
                         optimizer=_optimizer_from_args(args) if args.train else None,
-                        arch=_arch_from_args(args))
+                        arch=_arch_from_args(args), graph=graph)
     art.save(out)
     dt = time.perf_counter() - t0
     if timing is not None:
@@ -301,7 +305,8 @@ def _train(args, comm=None) -> int:
         args.edge_weight = False
         def build():
             return compile_model(_model_from_args(args), args.target, train=True,
-                                 optimizer=_optimizer_from_args(args), arch=_arch_from_args(args))
+                                 optimizer=_optimizer_from_args(args), arch=_arch_from_args(args),
+                                 graph=graph)
         if comm is None:
             art = build()
         else:
@@ -504,6 +509,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="cuda: GPU architecture, e.g. sm_80, sm_90 (default), sm_100; the "
                         "artifact holds its SASS plus PTX for newer GPUs (docs/cuda.md)")
     c.add_argument("--force", action="store_true", help="overwrite a file that is not an artifact")
+    c.add_argument("--graph", default=None,
+                   help="specialize to this graph (.npz, cora, citeseer): compile only the "
+                        "kernel variants its statistics choose")
     c.add_argument("--train", action="store_true",
                    help="also compile a training step (forward, loss, backward, optimizer)")
     _training_flags(c)

@@ -17,6 +17,7 @@ from gcomp.codegen.build import build_library, device_code_format, make_target
 from gcomp.codegen.calibrate import calibrate_formats, calibrate_sparse_threshold
 from gcomp.codegen.lower import lower
 from gcomp.codegen.optimizer import OptimizerConfig, add_optimizer
+from gcomp.codegen.specialize import specialize
 from gcomp.errors import CompileError
 from gcomp.ir.printer import print_graph
 from gcomp.model import Model
@@ -59,7 +60,7 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
                   mcpu: str | None = None, train: bool = False,
                   optimizer: OptimizerConfig | None = None,
                   sparse_threshold: float | None = None, arch: str | None = None,
-                  formats: tuple | None = None) -> Artifact:
+                  formats: tuple | None = None, graph=None) -> Artifact:
     """Compile ``model`` for ``target``; returns a runnable, savable artifact.
 
     ``train=True`` also compiles one whole training step (forward, masked cross-entropy,
@@ -69,6 +70,8 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
     CUDA architecture for ``target="cuda"`` (default ``sm_90``; ``docs/cuda.md``).
     ``formats``: the adjacency formats besides CSR the runtime may choose between by the
     bound graph (``gcomp/runtime/formats.py``; default: all the target has kernels for).
+    ``graph`` (a ``GraphData``) specializes the artifact to that graph: the variants its
+    statistics rule out are not compiled (``gcomp/codegen/specialize.py``).
     """
     tgt = make_target(target, mcpu=mcpu, arch=arch)
     formats = target_formats(tgt) if formats is None else tuple(formats)
@@ -76,9 +79,10 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
     if unknown:
         raise CompileError(f"no {', '.join(sorted(unknown))} kernels for target {target!r}")
     ctx = ctx or PassContext(target=target)
-    graph = default_pipeline()(model.graph.copy(), ctx)
-    plan, specs = lower(graph, formats)
-    ir = {"source": print_graph(model.graph), "optimized": print_graph(graph, show_meta=True)}
+    ir_graph = default_pipeline()(model.graph.copy(), ctx)
+    plan, specs = lower(ir_graph, formats)
+    ir = {"source": print_graph(model.graph),
+          "optimized": print_graph(ir_graph, show_meta=True)}
     train_plan, opt = None, None
     if train:
         opt = optimizer or OptimizerConfig()
@@ -92,14 +96,20 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
         add_optimizer(train_plan, tspecs, opt)
         specs = {**specs, **tspecs}
         ir["training"] = print_graph(tgraph, show_meta=True)
-    lib_path = build_library(specs, tgt)
     _set_thresholds([plan, train_plan], model, tgt, sparse_threshold)
     _set_format_costs([plan, train_plan], tgt)
+    if graph is not None:
+        for p in (plan, train_plan):
+            if p is not None:
+                specialize(p, graph)
+        used = {k for p in (plan, train_plan) if p is not None for k in p.kernels()}
+        specs = {k: v for k, v in specs.items() if k in used}
+    lib_path = build_library(specs, tgt)
     params = {p.name: model.params[p.name] for p in model.graph.params}
-    ops = dict(sorted(Counter(n.op.value for n in graph).items()))
+    ops = dict(sorted(Counter(n.op.value for n in ir_graph).items()))
     manifest = new_manifest({"name": model.name, **model.config}, model.signature(), tgt, ops,
                             device_code_format=device_code_format(tgt),
                             optimizer=opt.to_json() if opt else None)
     art = Artifact(manifest, plan, params, lib_path.read_bytes(), ir, train_plan)
-    art.graphs = {"inference": graph, "training": tgraph if train else None}  # not saved
+    art.graphs = {"inference": ir_graph, "training": tgraph if train else None}  # not saved
     return art

@@ -312,3 +312,54 @@ def test_explain_shows_the_format_costs(capsys):
     assert "adjacency format costs measured on the target" in text
     assert "format of edge_index (2 aggregations; band blocks of " in text
     assert "): csr (predicted per run: csr " in text
+
+
+# ------------------------------------------------------------------ specialization
+def test_compile_for_a_graph_keeps_only_the_kernels_it_runs(tmp_path):
+    """``gcomp compile --graph``: the decisions the runtime would make for the graph are
+    made at compile time and the variants they rule out are not compiled; the artifact
+    still runs any graph (CSR and dense-feature kernels stay)."""
+    from gcomp.runtime.data import load_graph
+    from gcomp.runtime.synthetic import synthetic_graph
+    m = models.build("gcn", 1433, hidden=16, out_channels=7, layers=2)
+    cora = load_graph("cora")
+    generic = compile_model(m, train=True)
+    special = compile_model(m, train=True, graph=cora)
+    rec = special.plan.specialized
+    assert rec["graph"] == "cora" and rec["formats"] == {"convs.0.graph": "csr"}
+    assert rec["sparse_features"] == {"sparse:x": True}  # Cora: 98.7% zeros
+    assert not any("formats" in s for s in special.plan.steps + special.train_plan.steps)
+    assert len(special.kernels()) < len(generic.kernels())
+    for art in (generic, special):  # same decisions when bound, same results
+        tr = Trainer(art, labelled(cora, 7), seed=0)
+        assert tr._binding.variants == {"sparse:x"}
+    ref = interpret(m.graph, ref_inputs(m.graph, cora), m.params)[0]
+    assert rel_err(special.run(cora)[0], ref) <= 1e-4
+    dense_x = synthetic_graph(300, 2000, 1433, 7, seed=1)  # another graph: dense features
+    ref = interpret(m.graph, ref_inputs(m.graph, dense_x), m.params)[0]
+    assert rel_err(special.run(dense_x)[0], ref) <= 1e-4
+    # for a graph of dense features, the sparse-feature kernels are left out
+    other = compile_model(m, graph=dense_x)
+    assert other.plan.specialized["sparse_features"] == {"sparse:x": False}
+    assert not other.plan.variants and not any("when" in s for s in other.plan.steps)
+    assert rel_err(other.run(cora)[0], interpret(m.graph, ref_inputs(m.graph, cora),
+                                                 m.params)[0]) <= 1e-4
+
+
+def test_compile_for_a_dense_graph_keeps_the_dense_kernels(tmp_path):
+    g = dense_graph()
+    gpath = tmp_path / "complete.npz"
+    np.savez(gpath, edge_index=g.edge_index, x=g.x)
+    art = tmp_path / "gin.gcomp"
+    assert main(["compile", "gin", "--in", "12", "--hidden", "16", "--out", "3",
+                 "--graph", str(gpath), "-o", str(art)]) == 0
+    from gcomp.runtime.artifact import load
+    a = load(art)
+    assert a.info()["specialized"]["formats"] == {"edge_index": "dense"}
+    steps = [s for s in a.plan.steps if "formats" in s]
+    assert steps and all(list(s["formats"]["kernels"]) == ["dense"] for s in steps)
+    m = models.build("gin", 12, hidden=16, out_channels=3, layers=2)
+    ref = interpret(m.graph, ref_inputs(m.graph, g), m.params)[0]
+    out = a.run(g)[0]
+    assert rel_err(out, ref) <= 1e-4
+    assert [f["chosen"] for f in a.executor()._binding.formats.values()] == ["dense"]

@@ -85,6 +85,7 @@ class Artifact:
             "format_version": m["format_version"],
             "signature": m["signature"],
             "kind": "training" if self.train_plan is not None else "inference",
+            "specialized": self.plan.specialized or None,
             "optimizer": m.get("optimizer"),
             "kernels": self.kernels(),
             "num_kernels": len(self.kernels()),

@@ -34,6 +34,8 @@ a graph value) or ints.
   the weights argument (or None), the feature ``width``, ``transpose`` (aggregation over
   out-edges), ``block`` and ``tail`` (index of the first argument, x, the replacement
   keeps); ``gcomp/runtime/formats.py`` chooses.
+* ``specialized``: for a plan compiled for one graph (``gcomp/codegen/specialize.py``),
+  the graph's name and sizes and the decisions made for it; empty otherwise.
 * training plans: ``loss`` (buffer of the scalar loss) and ``grads``
   (parameter -> gradient buffer); their ``steps`` end with the optimizer
   updates, so one pass over ``steps`` is one whole training step.
@@ -61,6 +63,7 @@ class Plan:
     grads: dict[str, str] = field(default_factory=dict)
     variants: dict[str, dict] = field(default_factory=dict)
     formats: dict = field(default_factory=dict)
+    specialized: dict = field(default_factory=dict)
     bind_steps: list[dict] = field(default_factory=list)
     steps: list[dict] = field(default_factory=list)
     version: int = PLAN_VERSION
