@@ -28,6 +28,7 @@ step over a graph value (forward and backward share the packed layout).
 from __future__ import annotations
 
 import numpy as np
+import scipy.sparse as sp
 
 from gcomp.errors import InputError
 from gcomp.runtime.reorder import CACHE_BYTES
@@ -58,10 +59,10 @@ def narrowest_block(edge_index: np.ndarray, num_nodes: int) -> int:
     off = edge_index[:, edge_index[0] != edge_index[1]]
     if off.shape[1] == 0:
         return GROUP
-    pairs = np.unique(np.minimum(off[0], off[1]) * num_nodes + np.maximum(off[0], off[1]))
-    deg = np.bincount(np.concatenate([pairs // num_nodes, pairs % num_nodes]),
-                      minlength=num_nodes)
-    return _round_up((int(deg.max()) + 1) // 2)
+    a = sp.csr_matrix((np.ones(off.shape[1], bool), (off[0], off[1])),
+                      shape=(num_nodes, num_nodes))
+    distinct = np.diff((a + a.T).tocsr().indptr)  # boolean: duplicates merge, none vanish
+    return _round_up((int(distinct.max()) + 1) // 2)
 
 
 def layout_shape(fmt: str, n: int, block: int) -> tuple:
