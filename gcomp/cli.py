@@ -306,7 +306,7 @@ def _train(args, comm=None) -> int:
         def build():
             return compile_model(_model_from_args(args), args.target, train=True,
                                  optimizer=_optimizer_from_args(args), arch=_arch_from_args(args),
-                                 graph=graph)
+                                 graph=graph if args.format == "auto" else None)
         if comm is None:
             art = build()
         else:

@@ -189,6 +189,9 @@ def test_measured_costs_choose_dense_for_a_doubly_complete_graph():
     out = art.run(g)[0]
     report = art.executor()._binding.formats
     assert [f["chosen"] for f in report.values()] == ["dense"], report
+    memory = art.executor()._binding.memory  # the n x n layout counts in the planned memory
+    assert memory["layout_bytes"] == 96 * 96 * 4
+    assert memory["total_bytes"] >= memory["layout_bytes"] + memory["planned_bytes"]
     ref = interpret(m.graph, ref_inputs(m.graph, g), m.params)[0]
     assert rel_err(out, ref) <= 1e-4
 

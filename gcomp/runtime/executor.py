@@ -269,7 +269,9 @@ class Executor:
         run = [(s, args) for s in self.plan.steps
                if s.get("when", None) in active | {None} and s.get("unless") not in active
                for args in [args_of(s)] if self._launchable(args)]
-        run = self._in_formats(run, lay, graph_array, args_of)
+        run, layouts = self._in_formats(run, lay, graph_array, args_of)
+        b.memory["layout_bytes"] = sum(int(np.prod(t.shape)) * 4 for t in layouts)
+        b.memory["total_bytes"] += b.memory["layout_bytes"]
         b.steps = [(self.functions[s["kernel"]], args) for s, args in run]
         b.plan_steps = [s for s, _ in run]
         used = {a["buf"] for s, _ in run for a in s["args"] if "buf" in a}
@@ -280,12 +282,12 @@ class Executor:
         self._binding = b  # one binding at a time: buffers are sized per graph
         return b
 
-    def _in_formats(self, run: list, lay: Layout, graph_array, args_of) -> list:
-        """The run steps with aggregations in their chosen formats: each layout is packed
-        once here when its weights are fixed for the graph, else by a step before its first
-        use on every run."""
+    def _in_formats(self, run: list, lay: Layout, graph_array, args_of) -> tuple[list, list]:
+        """The run steps with aggregations in their chosen formats, and the layouts they
+        read: each is packed once here when its weights are fixed for the graph, else by a
+        step before its first use on every run."""
         if not any(f != "csr" for f in lay.chosen.values()):
-            return run
+            return run, []
         dynamic = fmts.dynamic_weights(self.plan)
         layouts, out = {}, []
         for s, args in run:
@@ -311,7 +313,7 @@ class Executor:
                     self.functions[pack["kernel"]](*pack_args)
             out.append(({**s, "kernel": f["kernels"][fmt]},
                         (layouts[key], args[0]) + tuple(args[f["tail"]:])))
-        return out
+        return out, list(layouts.values())
 
     # hooks for runtimes that shard the graph (gcomp/distributed/halo.py overrides them)
     def _structures(self, graph: GraphData, order) -> dict[str, GraphStructure]:
