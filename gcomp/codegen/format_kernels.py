@@ -29,6 +29,8 @@ extras..., out (n x F).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
@@ -44,19 +46,12 @@ I64 = "int64"
 F32 = "float32"
 
 
+@contextmanager
 def _if(cond):
     """``with _if(c):`` runs its body only where ``c`` holds."""
-    class _Guard:
-        def __enter__(self):
-            self.if_ = T.If(cond)
-            self.if_.__enter__()
-            self.then = T.Then()
-            self.then.__enter__()
-
-        def __exit__(self, *exc):
-            self.then.__exit__(*exc)
-            self.if_.__exit__(*exc)
-    return _Guard()
+    with T.If(cond):
+        with T.Then():
+            yield
 
 
 def _layout_arg(fmt: str, n):
