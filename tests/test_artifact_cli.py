@@ -220,3 +220,17 @@ def test_gcomp_console_script(gcn_art, tmp_path):
     r = subprocess.run(["gcomp", "info", str(tmp_path / "none.gcomp")], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.startswith("gcomp: error:")
+
+
+def test_finite_check_is_exact_when_the_sum_overflows():
+    """all_finite's one-pass sum proves finiteness; a sum that overflowed (large finite
+    values) or cancelled infinities fall back to min and max."""
+    from gcomp.runtime.data import all_finite
+    big = np.full((4, 5), 3e38, np.float32)
+    assert all_finite(big) and all_finite(-big) and all_finite(np.zeros((0, 3), np.float32))
+    both = np.ones((2, 3), np.float32)
+    both[0, 0], both[1, 2] = np.inf, -np.inf
+    assert not all_finite(both)
+    one_nan = big.copy()
+    one_nan[3, 4] = np.nan
+    assert not all_finite(one_nan)

@@ -184,6 +184,16 @@ def test_matmul_with_bias():
     run_both(lambda x, g, w, W, b: ((x @ W) + b).relu(), params=[(6, 20), (20,)])
 
 
+@pytest.mark.parametrize("K,M", [(300, 16), (260, 45), (130, 64), (128, 130), (16, 7), (9, 3)])
+def test_matmul_in_row_groups(K, M):
+    """Widths where the CPU matmul multiplies groups of rows (long rows, wide outputs,
+    widths the vector unit does not divide), with a bias and activation in the epilogue
+    and a node count that leaves the last group short."""
+    from gcomp.codegen.cpu_kernels import _matmul_rows
+    assert _matmul_rows(K, M) is not None
+    run_both(lambda x, g, w, W, b: ((x @ W) + b).relu(), F=K, params=[(K, M), (M,)], n=67)
+
+
 @pytest.mark.parametrize("order", ["rcm", "degree"])
 def test_reordering_is_invisible_for_node_and_edge_outputs(order):
     g = awkward_graph(num_nodes=70, num_edges=400, num_features=6, seed=4, edge_weight=True)

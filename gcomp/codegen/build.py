@@ -17,7 +17,7 @@ from pathlib import Path
 import tvm
 import tvm_ffi
 
-from gcomp.codegen.kernels import KernelSpec, define, has_target_definition
+from gcomp.codegen.kernels import KernelSpec, define, target_definition
 from gcomp.errors import CompileError
 
 TARGETS = ("llvm", "cuda")
@@ -60,8 +60,9 @@ def schedule_module(specs: dict[str, KernelSpec], target: dict) -> tvm.IRModule:
         raise CompileError(f"no schedules for target {target['kind']!r} yet")
     funcs = {}
     for name, spec in sorted(specs.items()):
-        if has_target_definition(spec.kind, target["kind"]):  # written with its loop kinds
-            funcs[name] = define(spec, target["kind"])
+        func = target_definition(spec, target["kind"])
+        if func is not None:  # written with its loop kinds
+            funcs[name] = func
             continue
         sch = tvm.s_tir.Schedule(tvm.IRModule({name: define(spec)}))
         sch.work_on(name)

@@ -251,3 +251,58 @@ def attention_agg(H: int, C: int, slope: float, epilogue: tuple = (), extras: tu
                     T.buffer_store(out, res, [i, f])
                 _features(F, finish)
     return ib.get()
+
+
+def _matmul_rows(K: int, M: int) -> int | None:
+    """Rows per group of the row-group matmul, or None where the scheduled row-at-a-time
+    kernel (``schedules/cpu.py``) was faster.  Measured on arxiv/pubmed-size inputs (2
+    threads, 9 interleaved runs): row groups win for long rows (K >= 256: 500 -> 16 5.5 ->
+    2.7 ms, 1433 -> 16 5.5 -> 2.5 ms), wide outputs over K >= 128 (128 -> 128 7.5 -> 4.6
+    ms) and widths the vector unit does not divide (16 -> 7 4.0 -> 1.2 ms); rows at a time
+    win for short rows into 16 to 64 columns (32 -> 32 2.5 vs 3.7 ms, 128 -> 32 16.8 vs
+    16.9 at best)."""
+    if not (K >= 256 or (K >= 128 and M >= 64) or M % 8 != 0):
+        return None
+    return 8 if M <= 32 else 4 if M < 64 else 2
+
+
+@definer("matmul", target="llvm")
+def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = ()):
+    """out[i, j] = epilogue(sum_k x[i, k] * w[k, j]), R rows at a time: each row of w
+    loaded serves R rows of x, whose sums stay in registers (the row-at-a-time schedule
+    loads a row of w per multiply-add).  Rows past n in the last group repeat row n - 1
+    and are not stored.  None (the generic kernel, scheduled) where that is faster."""
+    R = _matmul_rows(K, M)
+    if R is None:
+        return None
+    f32 = "float32"
+    with IRBuilder() as ib:
+        with T.prim_func():
+            T.func_name("matmul")
+            T.func_attr({"tirx.noalias": True})
+            n = tirx.Var("n", "int64")
+            spec = [("x", (n, K), f32), ("w", (K, M), f32)]
+            spec += [(f"e{k}", epi.shape(kind, n, M), f32) for k, kind in enumerate(extras)]
+            spec.append(("out", (n, M), f32))
+            bufs = dict(zip([s[0] for s in spec], _args(spec)))
+            x, w, out = bufs["x"], bufs["w"], bufs["out"]
+            extra = [bufs[f"e{k}"] for k in range(len(extras))]
+            with T.parallel(0, (n + R - 1) // R) as g:
+                acc = T.alloc_buffer((R, M), f32, scope="local")
+                for r in range(R):
+                    _features(M, lambda j, r=r: T.buffer_store(acc, tirx.const(0.0, f32), [r, j]))
+                with T.serial(0, K) as k:
+                    for r in range(R):
+                        a = T.Bind(x[tirx.min(g * R + r, n - 1), k])
+                        _features(M, lambda j, r=r, a=a: T.buffer_store(
+                            acc, acc[r, j] + a * w[k, j], [r, j]))
+                for r in range(R):
+                    i = g * R + r
+                    with T.If(i < n):
+                        with T.Then():
+                            def store(j, r=r, i=i):
+                                res = epi.apply(epilogue, acc[r, j],
+                                                lambda e: extra[e][epi.index(extras[e], i, j)])
+                                T.buffer_store(out, res, [i, j])
+                            _features(M, store)
+    return ib.get()

@@ -5,7 +5,8 @@ reduction, attributes).  ``define(spec)`` returns an unscheduled PrimFunc;
 ``gcomp/schedules/<target>.py`` then schedules it.  A kind whose best loop
 structure differs by target may also have a definition for one target
 (``definer(kind, target="llvm")``, ``define(spec, "llvm")``): it comes with its
-loop kinds chosen and is not scheduled further.  Sizes that depend on the
+loop kinds chosen and is not scheduled further; such a definer returns None for
+parameters where the generic definition, scheduled, is faster.  Sizes that depend on the
 graph (nodes ``n``, source rows ``m``, edges ``nnz``) are symbolic int64
 variables, so one compiled kernel serves every graph.  Feature widths are
 static: the CPU backend can only vectorize loops of static extent.
@@ -71,14 +72,21 @@ def definer(kind: str, target: str | None = None):
     return reg
 
 
-def has_target_definition(kind: str, target: str) -> bool:
-    return (kind, target) in _DEFINERS
+def target_definition(spec: KernelSpec, target: str):
+    """``target``'s own PrimFunc for ``spec`` (already scheduled), named ``spec.name``, or
+    None: the kind has none for the target, or its definer declines these parameters."""
+    fn = _DEFINERS.get((spec.kind, target))
+    func = fn(**spec.p) if fn is not None else None
+    return None if func is None else func.with_attr("global_symbol", spec.name)
 
 
 def define(spec: KernelSpec, target: str | None = None):
-    """The PrimFunc of ``spec`` named ``spec.name``: ``target``'s own definition of the
-    kind if it has one (already scheduled), else the generic, unscheduled one."""
-    fn = _DEFINERS.get((spec.kind, target)) or _DEFINERS.get((spec.kind, None))
+    """The PrimFunc of ``spec`` named ``spec.name``: ``target``'s own definition if it has
+    one for these parameters (already scheduled), else the generic, unscheduled one."""
+    func = target_definition(spec, target) if target is not None else None
+    if func is not None:
+        return func
+    fn = _DEFINERS.get((spec.kind, None))
     if fn is None:
         raise CompileError(f"no kernel definition for {spec.kind!r}")
     return fn(**spec.p).with_attr("global_symbol", spec.name)
