@@ -30,8 +30,10 @@ def labelled(g: GraphData, C: int, seed=0) -> GraphData:
     return g
 
 
-def compiled_vs_interpreted(model, g, C, seed=0, tol=1e-4):
-    tr = Trainer(compile_model(model, train=True), g, seed=seed)
+def compiled_vs_interpreted(model, g, C, seed=0, tol=1e-4, **trainer_options):
+    """One training step's loss and gradients against the float64 interpreter; returns
+    the trainer (``trainer_options``: e.g. ``formats``)."""
+    tr = Trainer(compile_model(model, train=True), g, seed=seed, **trainer_options)
     params0 = tr.parameters()
     loss = tr.step()
     tg = training_pipeline()(model.graph.copy())
@@ -43,6 +45,7 @@ def compiled_vs_interpreted(model, g, C, seed=0, tol=1e-4):
     grads = tr.gradients()
     for name, ref in zip(tg.meta["grads"], outs[1:]):
         assert rel_err(grads[name], ref) <= tol, (name, rel_err(grads[name], ref))
+    return tr
 
 
 @pytest.mark.parametrize("name", ["gcn", "sage", "gin", "gat"])

@@ -86,8 +86,9 @@ def all_finite(a: np.ndarray) -> bool:
     proves it in one vectorized pass (a NaN or an infinity would make the sum NaN or
     infinite); a sum that overflowed is settled by min and max, which propagate NaN and
     reach an infinity (measured 2.9 -> 1.7 ms for pubmed-size features)."""
-    if a.size == 0 or np.isfinite(np.add.reduce(a, axis=None)):
-        return True
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow and inf - inf: expected
+        if a.size == 0 or np.isfinite(np.add.reduce(a, axis=None)):
+            return True
     return bool(np.isfinite(a.min()) and np.isfinite(a.max()))
 
 
