@@ -123,6 +123,8 @@ def calibrate_formats(widths, target: dict, block: int = 32, rows: int = 2048,
 
 def _measure_formats(fn, F: int, block: int, rows: int, seed: int) -> dict:
     import tvm
+
+    from gcomp.runtime.formats import layout_shape
     rng = np.random.default_rng(seed)
     dev = tvm.cpu()
 
@@ -145,7 +147,7 @@ def _measure_formats(fn, F: int, block: int, rows: int, seed: int) -> dict:
         large = (int(np.sqrt(LARGE_LAYOUT_BYTES / 4)) if fmt == "dense"
                  else LARGE_LAYOUT_BYTES // (12 * block))
         for n, suffix in ((rows, ""), (large, "_large")):
-            shape = (n, n) if fmt == "dense" else (-(-n // block), 3, block, block)
+            shape = layout_shape(fmt, n, block)
             lay = tvm.runtime.empty(shape, "float32", dev)
             entries = float(np.prod(shape))
             sized = g if n == rows else graph(n, 4)

@@ -89,6 +89,14 @@ def _balanced_rows(indptr, n, name: str = "i"):
             yield lo + r
 
 
+@contextmanager
+def _if(cond):
+    """``with _if(c):`` runs its body only where ``c`` holds."""
+    with T.If(cond):
+        with T.Then():
+            yield
+
+
 def _prefetch(x, row, width: int) -> None:
     """Prefetch the first lines of ``x[row, :width]`` into all cache levels."""
     for q in range(min((width + VEC - 1) // VEC, PREFETCH_LINES)):
@@ -298,11 +306,10 @@ def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = ()):
                             acc, acc[r, j] + a * w[k, j], [r, j]))
                 for r in range(R):
                     i = g * R + r
-                    with T.If(i < n):
-                        with T.Then():
-                            def store(j, r=r, i=i):
-                                res = epi.apply(epilogue, acc[r, j],
-                                                lambda e: extra[e][epi.index(extras[e], i, j)])
-                                T.buffer_store(out, res, [i, j])
-                            _features(M, store)
+                    with _if(i < n):
+                        def store(j, r=r, i=i):
+                            res = epi.apply(epilogue, acc[r, j],
+                                            lambda e: extra[e][epi.index(extras[e], i, j)])
+                            T.buffer_store(out, res, [i, j])
+                        _features(M, store)
     return ib.get()

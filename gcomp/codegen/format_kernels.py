@@ -29,29 +29,19 @@ extras..., out (n x F).
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
 from gcomp.codegen import epilogue as epi
 from gcomp.codegen.aggregate_kernel import _finish, arg
-from gcomp.codegen.cpu_kernels import _features
+from gcomp.codegen.cpu_kernels import _features, _if
 from gcomp.codegen.kernels import definer
 
 ROWS = 16  # destination rows per block of the dense layout (their outputs stay in L1)
 GROUP = 8  # the banded format's block size is a multiple of this
 I64 = "int64"
 F32 = "float32"
-
-
-@contextmanager
-def _if(cond):
-    """``with _if(c):`` runs its body only where ``c`` holds."""
-    with T.If(cond):
-        with T.Then():
-            yield
 
 
 def _layout_arg(fmt: str, n):

@@ -136,7 +136,7 @@ class _Lowering:
         self.step(n, spec, args, when=key)
 
     # -------------------------------------------------------------- adjacency formats
-    def offer_formats(self, g: Node, spec: KernelSpec, wview: list, step: dict,
+    def offer_formats(self, n: Node, g: Node, spec: KernelSpec, wview: list, step: dict,
                       transpose: bool) -> None:
         """Give an aggregation step (its args: graph arrays, weights, then x, extras, out)
         the dense and banded kernels the runtime may run instead
@@ -144,7 +144,7 @@ class _Lowering:
         run on every step (graph-static aggregations run once and stay CSR)."""
         p = spec.p
         if (not self.formats or p["weight"] == "head" or p["reduce"] not in ("sum", "mean")
-                or not self.plan.steps or step is not self.plan.steps[-1]):
+                or n.meta.get("phase") == "bind"):
             return
         fused = {k: p[k] for k in ("epilogue", "extras") if k in p}
         kernels, packs = {}, {}
@@ -377,12 +377,12 @@ class _Lowering:
                 spec = KernelSpec.make("csr_agg", reduce="sum", H=H, C=C, weight=weight,
                                        indirect=True, **fused)
                 args = head + [self.garr(g, "csc_eid")] + wview + tail
-            self.offer_formats(g, spec, wview, self.step(n, spec, args), transpose=True)
+            self.offer_formats(n, g, spec, wview, self.step(n, spec, args), transpose=True)
             return
         spec = KernelSpec.make("csr_agg", reduce=n.attrs["reduce"], H=H, C=C, weight=weight,
                                **fused)
         args = [self.garr(g, "indptr"), self.garr(g, "indices")] + wview + tail
-        self.offer_formats(g, spec, wview, self.step(n, spec, args), transpose=False)
+        self.offer_formats(n, g, spec, wview, self.step(n, spec, args), transpose=False)
 
     def lower_attention_aggregate(self, n: Node, out: Node | None = None,
                                   epilogue=((), (), [])) -> None:

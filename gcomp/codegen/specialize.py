@@ -16,7 +16,7 @@ same graph makes them again; another graph still runs, on what is left.
 from __future__ import annotations
 
 from gcomp.runtime.data import GraphData
-from gcomp.runtime.features import sparsity
+from gcomp.runtime.features import sparse_enough
 from gcomp.runtime.plan import Plan
 
 
@@ -29,8 +29,7 @@ def specialize(plan: Plan, graph: GraphData) -> dict:
               "node_order": layout.reorder["chosen"], "formats": dict(layout.chosen),
               "sparse_features": {}}
     for key, v in list(plan.variants.items()):
-        on = (graph.x is not None and v["threshold"] is not None
-              and sparsity(graph.x) >= v["threshold"])
+        on = sparse_enough(graph.x, v["threshold"])
         record["sparse_features"][key] = on
         if on:  # the dense-feature steps stay: another graph may need them
             continue

@@ -24,7 +24,7 @@ import tvm
 from gcomp.errors import InputError
 from gcomp.runtime.data import GraphData, check_edge_values, check_features
 from gcomp.runtime import formats as fmts
-from gcomp.runtime.features import SparseFeatures, sparsity
+from gcomp.runtime.features import SparseFeatures, sparse_enough
 from gcomp.runtime.graph import GraphStructure
 from gcomp.runtime.memory import plan_memory
 from gcomp.runtime.plan import Plan
@@ -108,32 +108,31 @@ def decide_layout(plan: Plan, graph: GraphData, features: dict | None = None,
         st = structures(g, order)
         sizes = {"N": g.num_nodes}
         sizes.update({f"E:{k}": v.num_edges for k, v in st.items()})
-        return g, f, st, sizes
+        return g, f, st, sizes, fmts.band_block(g.edge_index) if use_formats else 0
 
     steps = fmts.format_steps(plan)
     use_formats = formats != "csr" and bool(plan.formats) and bool(steps)
 
-    def choose(g, sizes, mode, narrowest=None):
+    def choose(sizes, block, mode, narrowest=None):
         if not use_formats:
             return {}, {}
-        return fmts.choose(plan, sizes, fmts.band_block(g.edge_index), narrowest, mode)
+        return fmts.choose(plan, sizes, block, narrowest, mode)
 
     order, reorder_report = choose_order(graph, row_bytes(plan), reorder)
-    g, f, st, sizes = arrange(order)
+    g, f, st, sizes, block = arrange(order)
     narrowest = fmts.narrowest_block(graph.edge_index, graph.num_nodes) if use_formats else None
-    chosen, report = choose(g, sizes, "auto", narrowest)
+    chosen, report = choose(sizes, block, "auto", narrowest)
     if (reorder in ("auto", "rcm") and reorder_report["chosen"] != "rcm"
             and fmts.band_would_pay(report, formats)):
         rcm = rcm_order(graph)  # RCM narrows the band of graphs that have one
-        rg, rf, rst, rsizes = arrange(rcm)
-        if fmts.band_block(rg.edge_index) < fmts.band_block(g.edge_index):
-            order, (g, f, st, sizes) = rcm, (rg, rf, rst, rsizes)
+        narrowed = arrange(rcm)
+        if narrowed[-1] < block:
+            order, (g, f, st, sizes, block) = rcm, narrowed
             reorder_report.update(chosen="rcm", reason="narrows the band of the banded format")
-            chosen, report = choose(g, sizes, "auto")
+            chosen, report = choose(sizes, block, "auto")
     if formats != "auto":
-        chosen, report = choose(g, sizes, formats)
-    return Layout(order, g, f, st, sizes, reorder_report, chosen, report,
-                  fmts.band_block(g.edge_index) if use_formats else 0)
+        chosen, report = choose(sizes, block, formats)
+    return Layout(order, g, f, st, sizes, reorder_report, chosen, report, block)
 
 
 class Executor:
@@ -185,8 +184,7 @@ class Executor:
         for key, v in self.plan.variants.items():
             x = (features or {}).get(v["input"], graph.x)
             forced = self.force_variants.get(key)
-            on = forced if forced is not None else (
-                x is not None and v["threshold"] is not None and sparsity(x) >= v["threshold"])
+            on = forced if forced is not None else sparse_enough(x, v["threshold"])
             if on and x is not None:
                 active.add(key)
                 sparse[v["input"]] = SparseFeatures(x)

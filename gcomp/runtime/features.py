@@ -23,6 +23,12 @@ def sparsity(x) -> float:
     return 1.0 - nnz / size
 
 
+def sparse_enough(x, threshold: float | None) -> bool:
+    """Whether the sparse-feature kernels run for features ``x``: a threshold was set and
+    their fraction of zeros reaches it."""
+    return x is not None and threshold is not None and sparsity(x) >= threshold
+
+
 class SparseFeatures:
     def __init__(self, x):
         csr = sp.csr_matrix(x, dtype=np.float32)

@@ -32,8 +32,8 @@ a graph value) or ints.
   the run steps that carry ``"formats"``: the dense and banded kernels that may replace
   a CSR aggregation (``kernels``, ``pack``: layout packing kernels), the graph value,
   the weights argument (or None), the feature ``width``, ``transpose`` (aggregation over
-  out-edges), ``block`` and ``tail`` (index of the first argument, x, the replacement
-  keeps); ``gcomp/runtime/formats.py`` chooses.
+  out-edges) and ``tail`` (index of the first argument, x, the replacement keeps);
+  ``gcomp/runtime/formats.py`` chooses (the banded block size comes from the bound graph).
 * ``specialized``: for a plan compiled for one graph (``gcomp/codegen/specialize.py``),
   the graph's name and sizes and the decisions made for it; empty otherwise.
 * training plans: ``loss`` (buffer of the scalar loss) and ``grads``
