@@ -25,19 +25,21 @@ from gcomp.passes import PassContext, default_pipeline, training_pipeline
 from gcomp.runtime.artifact import Artifact, new_manifest
 
 
-def _set_thresholds(plans, model: Model, tgt: dict, fixed: float | None) -> None:
+def _set_thresholds(plans, tgt: dict, fixed: float | None) -> None:
     """Sparse-feature thresholds: given, or measured on the target for each input's width."""
-    for key, v in plans[0].variants.items():
+    plans = [p for p in plans if p is not None]
+    variants = {k: v for p in reversed(plans) for k, v in p.variants.items()}
+    for key, v in variants.items():
         if fixed is not None:
             threshold, table = float(fixed), [{"note": "given by the user"}]
         else:
-            K = int(model.graph.node(v["input"]).ty.shape[1])
-            widths = [int(p.buffers[s["args"][-1]["buf"]]["dims"][-1]) for p in plans if p
+            K = next(int(p.buffers[v["input"]]["dims"][1]) for p in plans if key in p.variants)
+            widths = [int(p.buffers[s["args"][-1]["buf"]]["dims"][-1]) for p in plans
                       for s in p.steps if s.get("when") == key and s["op"] == "matmul"]
             threshold, table = calibrate_sparse_threshold(K, min(widths or [K]), tgt,
-                                                          training=plans[1] is not None)
+                                                          training=len(plans) > 1)
         for p in plans:
-            if p is not None and key in p.variants:
+            if key in p.variants:
                 p.variants[key].update(threshold=threshold, calibration=table)
 
 
@@ -96,7 +98,7 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
         add_optimizer(train_plan, tspecs, opt)
         specs = {**specs, **tspecs}
         ir["training"] = print_graph(tgraph, show_meta=True)
-    _set_thresholds([plan, train_plan], model, tgt, sparse_threshold)
+    _set_thresholds([plan, train_plan], tgt, sparse_threshold)
     _set_format_costs([plan, train_plan], tgt)
     if graph is not None:
         for p in (plan, train_plan):

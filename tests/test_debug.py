@@ -151,9 +151,17 @@ def test_explain_reports_decisions_with_numbers(capsys):
     assert main(["explain", "sage", "--in", "1433", "--hidden", "16", "--out", "7", "--graph",
                  "cora", "--json", "--train"]) == 0
     r = json.loads(capsys.readouterr().out)
-    # SAGE's first mean aggregation moves from 1433 to 16 features
+    # training: SAGE's first mean aggregation is of the features, fed once: it stays at
+    # 1433 features and runs once per feed, not in every step
+    assert any(x["width_before"] == x["width_after"] == 1433 and x["hoisted"]
+               for x in r["reorder"])
+    assert any(p.startswith("aggregate") for p in r["per_feed"])
+    assert main(["explain", "sage", "--in", "1433", "--hidden", "16", "--out", "7", "--graph",
+                 "cora", "--json"]) == 0
+    inference = json.loads(capsys.readouterr().out)
+    # inference: it moves from 1433 to 16 features
     assert any(x["width_before"] == 1433 and x["width_after"] == 16 and
-               x["edge_work_after"] == 10556 * 16 for x in r["reorder"])
+               x["edge_work_after"] == 10556 * 16 for x in inference["reorder"])
     assert r["fusion"] and all(f["bytes_saved_per_row"] > 0 for f in r["fusion"])
     sf = r["sparse_features"][0]
     assert sf["graph_sparsity"] > 0.98 and sf["chosen"] in ("sparse", "dense")

@@ -194,6 +194,29 @@ def test_matmul_in_row_groups(K, M):
     run_both(lambda x, g, w, W, b: ((x @ W) + b).relu(), F=K, params=[(K, M), (M,)], n=67)
 
 
+@pytest.mark.parametrize("K,M", [(128, 32), (32, 40), (12, 7), (1433, 16), (3, 64)])
+def test_weight_gradient_in_row_blocks(K, M):
+    """The CPU x.T @ y (weight gradients) adds blocks of rows into register tiles of the
+    result: row counts that leave blocks and chunks short or empty, widths the vector unit
+    does not divide, K without a tile that divides it."""
+    import tvm
+    from gcomp.codegen.build import build_library, make_target
+    from gcomp.codegen.cpu_kernels import _matmul_tn_tile
+    from gcomp.codegen.kernels import KernelSpec
+    assert _matmul_tn_tile(K, M) is not None
+    spec = KernelSpec.make("matmul_tn", K=K, M=M)
+    fn = tvm.runtime.load_module(str(build_library({spec.name: spec}, make_target("llvm"))))[
+        spec.name]
+    rng = np.random.default_rng(K + M)
+    for n in (0, 1, 15, 17, 16 * 16 + 3, 1000):
+        x = rng.standard_normal((n, K)).astype(np.float32)
+        y = rng.standard_normal((n, M)).astype(np.float32)
+        out = tvm.runtime.tensor(np.full((K, M), np.nan, np.float32))
+        fn(tvm.runtime.tensor(x), tvm.runtime.tensor(y), out)
+        ref = x.astype(np.float64).T @ y.astype(np.float64)
+        assert np.abs(out.numpy() - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max()), n
+
+
 @pytest.mark.parametrize("order", ["rcm", "degree"])
 def test_reordering_is_invisible_for_node_and_edge_outputs(order):
     g = awkward_graph(num_nodes=70, num_edges=400, num_features=6, seed=4, edge_weight=True)

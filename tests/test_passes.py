@@ -187,7 +187,12 @@ def test_hoist_marks_graph_static_values():
     g = parse_graph(text)
     PassManager([HoistGraphStatic()])(g)
     assert {n.name: n.meta["phase"] for n in g} == {
-        "x": "run", "g": "bind", "g1": "bind", "norm": "bind", "y": "run"}
+        "x": "feed", "g": "bind", "g1": "bind", "norm": "bind", "y": "feed"}
+    with_params = text.replace("return %y", "%w = param : f32[4,2]\n"
+                               "  %z = matmul(%y, %w) : f32[N,2]\n  return %z")
+    g = parse_graph(with_params)
+    PassManager([HoistGraphStatic()])(g)
+    assert [g.node(k).meta["phase"] for k in ("y", "w", "z")] == ["feed", "run", "run"]
 
 
 def test_failing_pass_is_named_with_the_passes_before_it():
@@ -295,6 +300,48 @@ def test_reorder_through_gin_sum_shares_one_product():
     assert len(mm) == 1 and mm[0].inputs[0].name == "x"
     agg = [n for n in g if n.op.value == "aggregate"][0]
     assert agg.inputs[1] is mm[0]
+
+
+TRAINING_GCN_LAYER = """graph t(%x: f32[N,8], %g: graph<coo>, %labels: i32[N], %train_mask: f32[N]) {
+  %w = param : f32[8,2]
+  %g1 = self_loops[mode="add_remaining"](%g) : graph<coo>
+  %norm = sym_norm(%g1) : f32[E(g1)]
+  %h = matmul(%x, %w) : f32[N,2]
+  %y = aggregate[reduce="sum"](%g1, %h, %norm) : f32[N,2]
+  %loss = cross_entropy(%y, %labels, %train_mask) : f32[]
+  return %loss
+}"""
+
+
+def test_reorder_hoists_aggregation_of_fed_values_in_training():
+    """In a training step (loss output) the features are fed once: A(XW) becomes (AX)W even
+    though W narrows 8 -> 2, so the aggregation runs once per feed, not once per step."""
+    from gcomp.passes import ReorderLinear
+    expected = """graph t(%x: f32[N,8], %g: graph<coo>, %labels: i32[N], %train_mask: f32[N]) {
+  %w = param : f32[8,2]
+  %g1 = self_loops[mode="add_remaining"](%g) : graph<coo>
+  %norm = sym_norm(%g1) : f32[E(g1)]
+  %y_1 = aggregate[reduce="sum"](%g1, %x, %norm) : f32[N,8]
+  %y = matmul(%y_1, %w) : f32[N,2]
+  %loss = cross_entropy(%y, %labels, %train_mask) : f32[]
+  return %loss
+}"""
+    g = parse_graph(TRAINING_GCN_LAYER)
+    PassManager([ReorderLinear()])(g)
+    same(print_graph(g), expected)
+    agg = next(n for n in g if n.op.value == "aggregate")
+    assert agg.meta["reorder"] == {"width_before": 2, "width_after": 8, "hoisted": True}
+    PassManager([HoistGraphStatic()])(g)
+    assert agg.meta["phase"] == "feed" and g.node("y").meta["phase"] == "run"
+    # an inference graph keeps the narrow side; so does a training graph whose aggregated
+    # values change every step (dropout's mask)
+    inference = TRAINING_GCN_LAYER.replace("  %loss = cross_entropy(%y, %labels, %train_mask)"
+                                           " : f32[]\n", "").replace("return %loss", "return %y")
+    assert run_pass(ReorderLinear(), inference) == print_graph(parse_graph(inference))
+    dropped = TRAINING_GCN_LAYER.replace(
+        "%h = matmul(%x, %w)", "%s = input : i32[]\n  %xd = dropout[p=0.5](%x, %s) : f32[N,8]\n"
+        "  %h = matmul(%xd, %w)")
+    assert run_pass(ReorderLinear(), dropped) == print_graph(parse_graph(dropped))
 
 
 def test_reorder_keeps_shared_values():

@@ -45,6 +45,20 @@ def _role(n: Node) -> str:
     return "scalar" if n.ty.rank == 0 else "tensor"
 
 
+def _node_inputs_of(v: Node) -> list[str]:
+    """Names of the node inputs ``v`` is computed from."""
+    seen, stack, found = set(), [v], set()
+    while stack:
+        u = stack.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        if u.op == Op.INPUT and isinstance(u.ty, TensorType) and u.ty.is_node:
+            found.add(u.name)
+        stack.extend(u.inputs)
+    return sorted(found)
+
+
 class _Lowering:
     def __init__(self, graph: Graph, formats: tuple = ()):
         self.graph = graph
@@ -73,17 +87,19 @@ class _Lowering:
         return {"graph": g.name, "array": array}
 
     def step(self, n: Node, spec: KernelSpec, args: list, when: str | None = None,
-             unless: str | None = None) -> dict:
-        """Emit a kernel call; ``when``/``unless`` name a runtime variant it belongs to."""
+             unless: str | None = None, phase: str | None = None) -> dict:
+        """Emit a kernel call; ``when``/``unless`` name a runtime variant it belongs to;
+        ``phase`` (default: the node's) when it runs."""
         self.specs[spec.name] = spec
-        phase = n.meta.get("phase", "run")
+        phase = phase or n.meta.get("phase", "run")
         s = {"kernel": spec.name, "args": args, "node": n.name, "op": n.op.value,
              "attrs": {k: v for k, v in n.attrs.items() if isinstance(v, (str, int, float))}}
         if when:
             s["when"] = when
         if unless:
             s["unless"] = unless
-        (self.plan.bind_steps if phase == "bind" else self.plan.steps).append(s)
+        {"bind": self.plan.bind_steps, "feed": self.plan.feed_steps}.get(
+            phase, self.plan.steps).append(s)
         return s
 
     # -------------------------------------------------------------- sparse input features
@@ -93,16 +109,28 @@ class _Lowering:
                 and v.ty.rank == 2 and v.ty.dtype == "float32")
 
     def feature_operand(self, v: Node):
-        """(input, dropout or None) when ``v`` is node features or dropout of them."""
+        """(values, dropout or None) when ``v`` is node features, dropout of them, or
+        node values computed from node inputs alone once per feed (``feed`` phase, e.g.
+        the hoisted aggregation of the features, ``reorder_linear``): their matmuls get
+        sparse variants too."""
         if self._is_feature_input(v):
             return v, None
         if v.op == Op.DROPOUT and self._is_feature_input(v.inputs[0]):
             return v.inputs[0], v
+        if (v.meta.get("phase") == "feed" and isinstance(v.ty, TensorType) and v.ty.is_node
+                and v.ty.rank == 2 and v.ty.dtype == "float32"):
+            return v, None
         return None
 
     def variant(self, x: Node) -> str:
+        """The sparse variant of node values ``x``; for computed values, ``sources`` names
+        the node inputs they are computed from (the runtime measures them after feeding)."""
         key = f"sparse:{x.name}"
-        self.plan.variants.setdefault(key, {"input": x.name, "threshold": None})
+        if key not in self.plan.variants:
+            v = {"input": x.name, "threshold": None}
+            if x.op != Op.INPUT:
+                v["sources"] = _node_inputs_of(x)
+            self.plan.variants[key] = v
         return key
 
     @staticmethod
@@ -141,10 +169,10 @@ class _Lowering:
         """Give an aggregation step (its args: graph arrays, weights, then x, extras, out)
         the dense and banded kernels the runtime may run instead
         (``gcomp/runtime/formats.py``): for sum and mean with one weight per edge or none,
-        run on every step (graph-static aggregations run once and stay CSR)."""
+        run on every step (aggregations run once per graph or feed stay CSR)."""
         p = spec.p
         if (not self.formats or p["weight"] == "head" or p["reduce"] not in ("sum", "mean")
-                or n.meta.get("phase") == "bind"):
+                or n.meta.get("phase", "run") != "run"):
             return
         fused = {k: p[k] for k in ("epilogue", "extras") if k in p}
         kernels, packs = {}, {}
@@ -373,6 +401,9 @@ class _Lowering:
             if w is None:
                 spec = KernelSpec.make("csr_agg", reduce="sum", H=H, C=C, weight="none", **fused)
                 args = head + tail
+            elif w.meta.get("phase") == "bind":  # fixed weights: put them in CSC order once
+                spec = KernelSpec.make("csr_agg", reduce="sum", H=H, C=C, weight=weight, **fused)
+                args = head + [self.csc_order(n, g, w, H)] + tail
             else:
                 spec = KernelSpec.make("csr_agg", reduce="sum", H=H, C=C, weight=weight,
                                        indirect=True, **fused)
@@ -383,6 +414,18 @@ class _Lowering:
                                **fused)
         args = [self.garr(g, "indptr"), self.garr(g, "indices")] + wview + tail
         self.offer_formats(n, g, spec, wview, self.step(n, spec, args), transpose=False)
+
+    def csc_order(self, n: Node, g: Node, w: Node, H: int) -> dict:
+        """Edge values ``w`` of graph ``g`` in CSC order (out-edges grouped by source),
+        computed once per bound graph, so aggregations over out-edges read them in
+        sequence instead of through ``csc_eid``."""
+        name = f"{w.name}.csc"
+        if name not in self.plan.buffers:
+            self.buffer(w, dims=[f"E:{g.name}", H], name=name)
+            self.step(n, KernelSpec.make("take_rows", F=H, index="int64"),
+                      [self.garr(g, "csc_eid"), self.arg(w, [self.lead(w), H]),
+                       self.arg(name)], phase="bind")
+        return self.arg(name)
 
     def lower_attention_aggregate(self, n: Node, out: Node | None = None,
                                   epilogue=((), (), [])) -> None:

@@ -49,14 +49,15 @@ def csr_segment(reduce: str, F: int):
 
 
 @definer("take_rows")
-def take_rows(F: int):
-    """out[j, f] = x[idx[j], f]: lift node values onto edges (idx = indices or rows)."""
+def take_rows(F: int, index: str = "int32"):
+    """out[j, f] = x[idx[j], f]: lift node values onto edges (idx = indices or rows), or
+    put edge values in CSC order (idx = csc_eid, int64)."""
 
     @T.prim_func(s_tir=True)
     def k(idx_h: T.handle, x_h: T.handle, out_h: T.handle):
         T.func_attr({"tirx.noalias": True})
         m, nnz = T.int64(), T.int64()
-        idx = T.match_buffer(idx_h, (nnz,), "int32", align=4)
+        idx = T.match_buffer(idx_h, (nnz,), index, align=4)
         x = T.match_buffer(x_h, (m, F), "float32", align=4)
         out = T.match_buffer(out_h, (nnz, F), "float32", align=4)
         for j, f in T.grid(nnz, F):

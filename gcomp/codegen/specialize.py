@@ -29,6 +29,8 @@ def specialize(plan: Plan, graph: GraphData) -> dict:
               "node_order": layout.reorder["chosen"], "formats": dict(layout.chosen),
               "sparse_features": {}}
     for key, v in list(plan.variants.items()):
+        # values computed from the features (an aggregation of them) are denser than the
+        # features: these decide for both
         on = sparse_enough(graph.x, v["threshold"])
         record["sparse_features"][key] = on
         if on:  # the dense-feature steps stay: another graph may need them
@@ -36,7 +38,8 @@ def specialize(plan: Plan, graph: GraphData) -> dict:
         del plan.variants[key]
         plan.steps = [s for s in plan.steps if s.get("when") != key]
         plan.bind_steps = [s for s in plan.bind_steps if s.get("when") != key]
-        for s in plan.steps + plan.bind_steps:
+        plan.feed_steps = [s for s in plan.feed_steps if s.get("when") != key]
+        for s in plan.steps + plan.bind_steps + plan.feed_steps:
             if s.get("unless") == key:
                 del s["unless"]
         nnz = f"NNZ:{v['input']}"  # buffers sized by the nonzeros only those steps used

@@ -34,7 +34,7 @@ def _row_bytes(t: TensorType) -> int:
 def explain(graph: Graph, plans: dict, graph_data=None) -> dict:
     """A JSON-able report; ``plans`` maps "inference"/"training" to plans."""
     report: dict = {"model": graph.name, "fusion": [], "attention": [], "reorder": [],
-                    "hoisted": [],
+                    "hoisted": [], "per_feed": [],
                     "sparse_features": [], "kernels": {}}
     for n in graph:
         if "fused" in n.meta:
@@ -57,16 +57,21 @@ def explain(graph: Graph, plans: dict, graph_data=None) -> dict:
                                       "work_ratio": r["width_after"] / r["width_before"]})
         if n.meta.get("phase") == "bind" and n.op not in (Op.INPUT, Op.CONST):
             report["hoisted"].append(f"{n.op.value} %{n.name}")
+        if n.meta.get("phase") == "feed" and n.op not in (Op.INPUT, Op.CONST):
+            report["per_feed"].append(f"{n.op.value} %{n.name}")
     for label, plan in plans.items():
         if plan is None:
             continue
         report["kernels"][label] = {"kernels": len(plan.kernels()), "run_steps": len(plan.steps),
-                                    "bind_steps": len(plan.bind_steps)}
+                                    "bind_steps": len(plan.bind_steps),
+                                    "feed_steps": len(plan.feed_steps)}
         if plan.formats:
             report["format_costs"] = plan.formats["costs"]
         for key, v in plan.variants.items():
             entry = {"plan": label, "variant": key, "threshold": v.get("threshold"),
                      "calibration": v.get("calibration", [])}
+            if "sources" in v:  # values computed from the features: measured once fed
+                entry["computed_from"] = v["sources"]
             report["sparse_features"].append(entry)
     if graph_data is not None:
         report["graph"] = graph_stats(graph_data)
@@ -76,6 +81,8 @@ def explain(graph: Graph, plans: dict, graph_data=None) -> dict:
         report["reorder_nodes"] = layout.reorder
         report["formats"] = layout.formats
         for entry in report["sparse_features"]:
+            if "computed_from" in entry:
+                continue
             s = report["graph"]["feature_sparsity"]
             entry["graph_sparsity"] = s
             entry["chosen"] = "sparse" if (s is not None and entry["threshold"] is not None
@@ -122,21 +129,29 @@ def render(report: dict) -> str:
             continue
         extra = (f" = {r['edge_work_before']:,} -> {r['edge_work_after']:,} edge-features"
                  if "edge_work_before" in r else "")
+        if r.get("hoisted"):
+            extra = (f"; computed once per feed of the features, not in every training step"
+                     f"{': ' + format(r['edge_work_after'], ',') + ' edge-features' if extra else ''}")
         lines.append(f"  {r['aggregate']}: width {r['width_before']} -> {r['width_after']}"
                      f" (x{r['work_ratio']:.2f}){extra}")
     lines.append("computed once per bound graph (hoisted): " +
                  (", ".join(report["hoisted"]) or "none"))
+    if report["per_feed"]:
+        lines.append("computed once per feed of the node inputs: " + ", ".join(report["per_feed"]))
     for s in report["sparse_features"]:
         table = "; ".join(f"{c['sparsity']:.2f}: dense {c['dense_ms']:.2f} ms / sparse "
                           f"{c['sparse_ms']:.2f} ms" for c in s["calibration"] if "sparsity" in c)
         line = (f"sparse node features ({s['plan']}, {s['variant']}): threshold "
                 f"{s['threshold']}; calibration {table or s['calibration']}")
-        if "chosen" in s:
+        if "computed_from" in s:
+            line += (f"; values computed from {', '.join(s['computed_from'])}: their sparsity "
+                     "is measured when they are fed")
+        elif "chosen" in s:
             line += f"; this graph: sparsity {s['graph_sparsity']:.4f} -> {s['chosen']} kernels"
         lines.append(line)
     for label, k in report["kernels"].items():
         lines.append(f"{label}: {k['kernels']} kernels, {k['run_steps']} steps per run, "
-                     f"{k['bind_steps']} once per graph")
+                     f"{k['bind_steps']} once per graph, {k['feed_steps']} once per feed")
     if "reorder_nodes" in report:
         r = report["reorder_nodes"]
         dist = ", ".join(f"{k} {v:,.0f}" for k, v in r["mean_distance"].items())

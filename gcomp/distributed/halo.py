@@ -508,6 +508,13 @@ class DistExecutor(Executor):
                 valid[out] = False
         self._bind_valid = valid
 
+    def _run_feed_steps(self, binding: Binding) -> None:
+        """Feed-phase kernels run like the bind phase (blocking exchanges); the run
+        schedule, made at bind, stays, and so do its traffic counters."""
+        run_traffic, bind_valid = self.traffic, self._bind_valid
+        self._run_bind_steps(binding, binding.feed_steps)
+        self.feed_traffic, self.traffic, self._bind_valid = self.traffic, run_traffic, bind_valid
+
     # ---- run phase: a schedule of kernels and communication
     def bind(self, graph, features=None) -> Binding:
         cached = self._binding

@@ -1,11 +1,17 @@
-"""Mark values that depend only on the graph: computed once when a graph is bound.
+"""Mark when each value can be computed: once per graph, once per fed input, or every run.
 
 Expects: nothing beyond a verified graph.
 Guarantees (analysis only, the graph is unchanged): ``meta["phase"]`` is
-``"bind"`` for values computable from graph inputs, edge inputs (edge values
-are bound with their graph) and constants, e.g. degrees and GCN normalization;
-``"run"`` for everything that depends on node features or parameters.  The
-runtime runs bind-phase kernels once per bound graph and caches the results.
+
+* ``"bind"`` for values computable from graph inputs, edge inputs (edge values
+  are bound with their graph) and constants, e.g. degrees and GCN normalization:
+  the runtime computes them once per bound graph and caches them;
+* ``"feed"`` for values computable from those and node inputs (features,
+  labels, masks) alone, e.g. the aggregation of the input features: computed
+  once each time node inputs are fed.  A trainer feeds once and runs many
+  steps, so ``reorder_linear`` counts these as free in a training graph;
+* ``"run"`` for everything that depends on parameters or step counters (and so
+  on dropout's random masks).
 """
 
 from __future__ import annotations
@@ -14,23 +20,33 @@ from gcomp.ir.ops import Op
 from gcomp.ir.types import GraphType
 from gcomp.passes.manager import Pass
 
+PHASES = ("bind", "feed", "run")  # in order: a value is computable in its inputs' latest
+
 
 def _leaf_phase(n) -> str:
     if n.op == Op.CONST:
         return "bind"
-    if n.op == Op.INPUT and (isinstance(n.ty, GraphType) or n.ty.edge_graph is not None):
-        return "bind"
-    return "run"
+    if n.op == Op.INPUT:
+        if isinstance(n.ty, GraphType) or n.ty.edge_graph is not None:
+            return "bind"
+        if n.ty.is_node:
+            return "feed"
+    return "run"  # parameters, step counters
+
+
+def phases(graph) -> dict:
+    """The phase of every node (see the module docstring)."""
+    out = {}
+    for n in graph:
+        out[n] = (max((out[i] for i in n.inputs), key=PHASES.index) if n.inputs
+                  else _leaf_phase(n))
+    return out
 
 
 class HoistGraphStatic(Pass):
     name = "hoist_graph_static"
 
     def run(self, graph, ctx) -> bool:
-        for n in graph:
-            if not n.inputs:
-                n.meta["phase"] = _leaf_phase(n)
-            else:
-                static = all(i.meta["phase"] == "bind" for i in n.inputs)
-                n.meta["phase"] = "bind" if static else "run"
+        for n, phase in phases(graph).items():
+            n.meta["phase"] = phase
         return False

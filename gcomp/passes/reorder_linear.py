@@ -15,11 +15,21 @@ products share one ``x @ W``); every ``aggregate(g, matmul(x, W))`` with K < M
 becomes ``matmul(aggregate(g, x), W)``.  A rewritten aggregate records
 ``meta["reorder"] = {"width_before": K or M, "width_after": ...}``; ``gcomp explain``
 shows it.  Values with other users are left alone (reordering would compute both).
+
+In a training graph (its first output the cross-entropy loss of ``add_loss``) the
+trainer feeds node inputs once and runs many steps, so an aggregation of values
+computed from node inputs alone (``hoist_graph_static``'s ``feed`` phase, e.g. the
+input features) costs nothing per step: ``matmul(v, W)`` over such a ``v`` is kept
+whatever the widths, and ``aggregate(g, matmul(x, W))`` over such an ``x`` becomes
+``matmul(aggregate(g, x), W)``; both record ``"hoisted": True``.  Each step then
+skips that aggregation forward and its transpose backward (A X W: the weight
+gradient is (A X)^T dY).
 """
 
 from __future__ import annotations
 
 from gcomp.ir.ops import Op
+from gcomp.passes.hoist_graph_static import phases
 from gcomp.passes.manager import Pass
 from gcomp.passes.rewrite import apply_rules, rule
 
@@ -77,35 +87,55 @@ def _distribute(graph, v, w):
     return _matmul(graph, v, w)
 
 
-@rule([Op.MATMUL])
-def do_push_into_aggregate(n):
-    if not _plain_matmul(n):
-        return None
-    v, w = n.inputs
-    K, M = w.ty.shape
-    if M >= K or not _pushable(v):
-        return None
-    return _distribute(n.graph, v, w)
+def _rules(fed: set):
+    """The rewrites, given the values that are free to aggregate (fed once, see above)."""
+
+    @rule([Op.MATMUL])
+    def do_push_into_aggregate(n):
+        if not _plain_matmul(n):
+            return None
+        v, w = n.inputs
+        K, M = w.ty.shape
+        if M >= K or not _pushable(v):
+            return None
+        if v in fed:
+            if _linear_agg(v):  # stays wide, once per feed: recorded for gcomp explain
+                v.meta["reorder"] = {"width_before": int(K), "width_after": int(K),
+                                     "hoisted": True}
+            return None
+        return _distribute(n.graph, v, w)
+
+    @rule([Op.AGGREGATE])
+    def do_pull_out_of_aggregate(n):
+        v = n.inputs[1]
+        if not (_linear_agg(n) and _plain_matmul(v) and _sole(v) and v.inputs[0].ty.rank == 2):
+            return None
+        x, w = v.inputs
+        K, M = w.ty.shape
+        hoisted = x in fed and all(i in fed for i in n.inputs[2:])
+        if K >= M and not hoisted:
+            return None
+        graph = n.graph
+        agg = graph.create_node(Op.AGGREGATE, [n.inputs[0], x] + list(n.inputs[2:]),
+                                dict(n.attrs), name=graph.fresh_name(n.name))
+        agg.meta["reorder"] = {"width_before": int(M), "width_after": int(K)}
+        if hoisted:
+            agg.meta["reorder"]["hoisted"] = True
+            fed.add(agg)
+        return graph.create_node(Op.MATMUL, [agg, w], name=graph.fresh_name(v.name))
+
+    return [do_push_into_aggregate, do_pull_out_of_aggregate]
 
 
-@rule([Op.AGGREGATE])
-def do_pull_out_of_aggregate(n):
-    v = n.inputs[1]
-    if not (_linear_agg(n) and _plain_matmul(v) and _sole(v) and v.inputs[0].ty.rank == 2):
-        return None
-    x, w = v.inputs
-    K, M = w.ty.shape
-    if K >= M:
-        return None
-    graph = n.graph
-    agg = graph.create_node(Op.AGGREGATE, [n.inputs[0], x] + list(n.inputs[2:]), dict(n.attrs),
-                            name=graph.fresh_name(n.name))
-    agg.meta["reorder"] = {"width_before": int(M), "width_after": int(K)}
-    return graph.create_node(Op.MATMUL, [agg, w], name=graph.fresh_name(v.name))
+def _fed_values(graph) -> set:
+    """Values computed once per feed in a training graph (none in an inference graph)."""
+    if not graph.outputs or graph.outputs[0].op != Op.CROSS_ENTROPY:
+        return set()
+    return {n for n, phase in phases(graph).items() if phase != "run"}
 
 
 class ReorderLinear(Pass):
     name = "reorder_linear"
 
     def run(self, graph, ctx) -> bool:
-        return apply_rules(graph, [do_push_into_aggregate, do_pull_out_of_aggregate])
+        return apply_rules(graph, _rules(_fed_values(graph)))

@@ -9,8 +9,10 @@ executor share one store, so both see the same parameters with no copies.
 arrays, buffers sized for its node and edge counts (intermediates share storage
 by liveness: ``gcomp/runtime/memory.py``), views, edge inputs, and the
 bind-phase kernels (degrees, normalizations); the last binding is cached.
-``execute(binding)`` calls the run-phase kernels in order; no allocation and no
-numpy arithmetic happens there.
+``feed(binding, values)`` copies node inputs in and runs the feed-phase kernels
+(values computed from node inputs alone, e.g. a training step's aggregated
+features).  ``execute(binding)`` calls the run-phase kernels in order; no
+allocation and no numpy arithmetic happens there.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class Binding:
     dims: dict[str, int]
     buffers: dict[str, object]
     steps: list = field(default_factory=list)  # (function, args) in order
+    feed_steps: list = field(default_factory=list)  # (plan step, function, args), per feed
     bind_time_s: float = 0.0
     memory: dict = field(default_factory=dict)  # gcomp.runtime.memory.MemoryPlan.summary()
     variants: set = field(default_factory=set)  # active kernel variants (plan.variants)
@@ -182,6 +185,8 @@ class Executor:
         """Active variants for this graph, and the sparse features they need."""
         active, sparse = set(), {}
         for key, v in self.plan.variants.items():
+            if "sources" in v:  # computed by feed steps: _computed_variants measures them
+                continue
             x = (features or {}).get(v["input"], graph.x)
             forced = self.force_variants.get(key)
             on = forced if forced is not None else sparse_enough(x, v["threshold"])
@@ -199,7 +204,7 @@ class Executor:
                 if k in b.features_src):
             return b
         t0 = time.perf_counter()
-        user_graph = graph
+        user_graph, user_features = graph, features
         lay = decide_layout(self.plan, graph, features, self.reorder, self.formats,
                             self._structures)
         order, graph, features, structures, sizes = (lay.order, lay.graph, lay.features,
@@ -252,8 +257,9 @@ class Executor:
                     out.append(buffers[a["buf"]])
             return tuple(out)
 
-        bound_from = {v["input"]: id((features or {}).get(v["input"], user_graph.x))
-                      for v in self.plan.variants.values()}
+        bound_from = {src: id((user_features or {}).get(src, user_graph.x))
+                      for v in self.plan.variants.values()
+                      for src in v.get("sources", [v["input"]])}
         b = Binding(user_graph, structures, sizes, buffers, memory=memory.summary(),
                     variants=active, features_src=bound_from, order=order,
                     reorder=lay.reorder, formats=lay.formats)
@@ -264,21 +270,56 @@ class Executor:
         self._run_bind_steps(b, [(s, self.functions[s["kernel"]], args)
                                  for s in self.plan.bind_steps
                                  for args in [args_of(s)] if self._launchable(args)])
-        run = [(s, args) for s in self.plan.steps
-               if s.get("when", None) in active | {None} and s.get("unless") not in active
-               for args in [args_of(s)] if self._launchable(args)]
+
+        def selected(steps):
+            return [(s, args) for s in steps
+                    if s.get("when", None) in active | {None} and s.get("unless") not in active
+                    for args in [args_of(s)] if self._launchable(args)]
+        b.feed_steps = [(s, self.functions[s["kernel"]], args)
+                        for s, args in selected(self.plan.feed_steps)]
+        self._computed_variants(b, user_features, active, sparse)
+        run = selected(self.plan.steps)
         run, layouts = self._in_formats(run, lay, graph_array, args_of)
         b.memory["layout_bytes"] = sum(int(np.prod(t.shape)) * 4 for t in layouts)
         b.memory["total_bytes"] += b.memory["layout_bytes"]
         b.steps = [(self.functions[s["kernel"]], args) for s, args in run]
         b.plan_steps = [s for s, _ in run]
-        used = {a["buf"] for s, _ in run for a in s["args"] if "buf" in a}
+        used = {a["buf"] for s, _ in run + [f[::2] for f in b.feed_steps]
+                for a in s["args"] if "buf" in a}
         used |= {o["buffer"] for o in self.plan.outputs}
         b.reads = used | {self.plan.buffers[u].get("alias", u) for u in used
                           if u in self.plan.buffers}
         b.bind_time_s = time.perf_counter() - t0
         self._binding = b  # one binding at a time: buffers are sized per graph
         return b
+
+    def _computed_variants(self, b: Binding, features: dict | None, active: set,
+                           sparse: dict) -> None:
+        """Decide the sparse variants of values the feed steps compute from the features
+        (``plan.variants`` with ``sources``): their sparsity is known once computed, so
+        feed the sources bound with, run the feed steps and measure."""
+        todo = {k: v for k, v in self.plan.variants.items() if "sources" in v
+                and self.force_variants.get(k) is not False
+                and all(s in (features or {}) or s == self._default_features()
+                        for s in v["sources"])}
+        if not todo:
+            return
+        for src in {s for v in todo.values() for s in v["sources"]}:
+            x = (features or {}).get(src, b.graph.x)
+            self._put(b, src, x if x is not None else b.graph.dense_x())
+        self._run_feed_steps(b)
+        for key, v in todo.items():
+            z = b.buffers[v["input"]].numpy()
+            forced = self.force_variants.get(key)
+            if forced if forced is not None else sparse_enough(z, v["threshold"]):
+                active.add(key)
+                sparse[v["input"]] = SparseFeatures(z)
+
+    def _default_features(self) -> str | None:
+        """The node input a graph's own ``x`` feeds (the first float matrix input)."""
+        ins = [i["name"] for i in self.node_inputs()
+               if i.get("dtype", "float32") == "float32" and len(i["dims"]) == 2]
+        return ins[0] if ins else None
 
     def _in_formats(self, run: list, lay: Layout, graph_array, args_of) -> tuple[list, list]:
         """The run steps with aggregations in their chosen formats, and the layouts they
@@ -326,6 +367,11 @@ class Executor:
         for _, fn, args in steps:
             fn(*args)
 
+    def _run_feed_steps(self, binding: Binding) -> None:
+        """Run the feed-phase kernels (``binding.feed_steps``) on the inputs just fed."""
+        for _, fn, args in binding.feed_steps:
+            fn(*args)
+
     def _launchable(self, args) -> bool:
         """False for a GPU kernel whose output (its last argument) is empty: its grid would
         have no blocks, which CUDA refuses (a graph without edges has empty edge tensors)."""
@@ -365,29 +411,33 @@ class Executor:
             binding = self.bind(binding.graph, {k: v for k, v in values.items()
                                                 if k in binding.features_src})
         for inp in self.node_inputs():
-            name = inp["name"]
-            if name not in values:
-                raise InputError(f"missing node input {name!r}")
-            want = _resolve(inp["dims"], binding.dims)
-            dtype = inp.get("dtype", "float32")
-            if dtype == "float32" and len(want) == 2:
-                x = check_features(values[name], binding.graph.num_nodes, name)
-                if hasattr(x, "todense"):
-                    x = np.asarray(x.todense(), dtype=np.float32)
-                if x.shape != want:
-                    raise InputError(f"input {name!r}: the model expects {want[1]} features per "
-                                     f"node, got {x.shape[1]}")
-            else:
-                x = np.asarray(values[name])
-                if x.shape != want:
-                    raise InputError(f"input {name!r} must have shape {want}, got {x.shape}")
-                x = np.ascontiguousarray(x, dtype=dtype)
-            if name not in binding.reads:  # e.g. dense features when sparse kernels run
-                continue
-            if binding.order is not None:
-                x = np.ascontiguousarray(x[binding.order])
-            binding.buffers[name].copyfrom(x)
+            if inp["name"] not in values:
+                raise InputError(f"missing node input {inp['name']!r}")
+            if inp["name"] in binding.reads:  # not e.g. dense features when sparse kernels run
+                self._put(binding, inp["name"], values[inp["name"]])
+        self._run_feed_steps(binding)
         return binding
+
+    def _put(self, binding: Binding, name: str, value) -> None:
+        """Check node input ``name`` and copy it in (in the binding's node order)."""
+        inp = next(i for i in self.node_inputs() if i["name"] == name)
+        want = _resolve(inp["dims"], binding.dims)
+        dtype = inp.get("dtype", "float32")
+        if dtype == "float32" and len(want) == 2:
+            x = check_features(value, binding.graph.num_nodes, name)
+            if hasattr(x, "todense"):
+                x = np.asarray(x.todense(), dtype=np.float32)
+            if x.shape != want:
+                raise InputError(f"input {name!r}: the model expects {want[1]} features per "
+                                 f"node, got {x.shape[1]}")
+        else:
+            x = np.asarray(value)
+            if x.shape != want:
+                raise InputError(f"input {name!r} must have shape {want}, got {x.shape}")
+            x = np.ascontiguousarray(x, dtype=dtype)
+        if binding.order is not None:
+            x = np.ascontiguousarray(x[binding.order])
+        binding.buffers[name].copyfrom(x)
 
     def execute(self, binding: Binding) -> None:
         for fn, args in binding.steps:

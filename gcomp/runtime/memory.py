@@ -6,8 +6,8 @@ buffer uses during its lifetime (from the first step that touches it to the
 last); buffers whose lifetimes do not overlap share storage (greedy best fit,
 in step order).  Pinned buffers keep storage of their own: parameters,
 constants and state (they outlive the binding), inputs (copied in once),
-outputs and gradients (read after the run), and everything the bind-phase
-steps write (computed once, read on every run).  Views (reshapes) share their
+outputs and gradients (read after the run), and everything the bind- and
+feed-phase steps write (computed once, read on every run).  Views (reshapes) share their
 root's storage and extend its lifetime.
 """
 
@@ -56,7 +56,7 @@ def plan_memory(plan: Plan, sizes: dict[str, int], store_names=()) -> MemoryPlan
     pinned |= {i["name"] for i in plan.inputs if i["role"] != "graph"}
     pinned |= {_root(plan, o["buffer"]) for o in plan.outputs}
     pinned |= {_root(plan, g) for g in plan.grads.values()}
-    for s in plan.bind_steps:
+    for s in plan.bind_steps + plan.feed_steps:
         pinned |= {_root(plan, a["buf"]) for a in s["args"] if "buf" in a}
     first: dict[str, int] = {}
     last: dict[str, int] = {}

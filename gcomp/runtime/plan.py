@@ -10,7 +10,9 @@ a graph value) or ints.
   parent and the self-loop mode that makes it.
 * ``buffers``: every tensor the plan touches: dims and, for views, the buffer
   they alias (a reshape costs nothing).
-* ``bind_steps`` run once per bound graph, ``steps`` on every run.  A step is
+* ``bind_steps`` run once per bound graph, ``feed_steps`` each time node inputs
+  are fed (values computed from them alone, e.g. the aggregated input features of
+  a training step), ``steps`` on every run.  A step is
   a kernel name, the IR node and op it implements (``node``, ``op``, ``attrs``:
   for the distributed runtime and profiling), and its arguments:
   ``{"buf": name, "view": dims?}`` or
@@ -27,7 +29,9 @@ a graph value) or ints.
   time), steps marked ``"when": key`` run and steps marked ``"unless": key`` do not.
   Their arguments may name ``{"features": input, "array": ...}``: the features'
   nonzeros (``indptr``, ``indices``, ``rows``, ``values``, ``csc_indptr``,
-  ``csc_indices``, ``csc_eid``), sized by the dimension ``NNZ:<input>``.
+  ``csc_indices``, ``csc_eid``), sized by the dimension ``NNZ:<input>``.  A variant
+  of values computed by feed steps names their ``sources`` (node inputs); the
+  runtime measures them once fed.
 * ``formats``: ``{"costs": {width: per-unit costs in ns}}`` measured on the target, for
   the run steps that carry ``"formats"``: the dense and banded kernels that may replace
   a CSR aggregation (``kernels``, ``pack``: layout packing kernels), the graph value,
@@ -65,6 +69,7 @@ class Plan:
     formats: dict = field(default_factory=dict)
     specialized: dict = field(default_factory=dict)
     bind_steps: list[dict] = field(default_factory=list)
+    feed_steps: list[dict] = field(default_factory=list)
     steps: list[dict] = field(default_factory=list)
     version: int = PLAN_VERSION
 
@@ -77,7 +82,7 @@ class Plan:
 
     def kernels(self) -> list[str]:
         seen = {}
-        for s in self.bind_steps + self.steps:
+        for s in self.bind_steps + self.feed_steps + self.steps:
             seen.setdefault(s["kernel"], None)
             for alt in ("kernels", "pack"):
                 for k in s.get("formats", {}).get(alt, {}).values():
