@@ -15,6 +15,7 @@ from collections import Counter
 
 from gcomp.codegen.build import build_library, device_code_format, make_target
 from gcomp.codegen.calibrate import calibrate_formats, calibrate_sparse_threshold
+from gcomp.codegen.kernels import KernelSpec
 from gcomp.codegen.lower import lower
 from gcomp.codegen.optimizer import OptimizerConfig, add_optimizer
 from gcomp.codegen.specialize import specialize
@@ -51,6 +52,19 @@ def _set_format_costs(plans, tgt: dict) -> None:
         for p in plans:
             if p is not None:
                 p.formats = {"costs": costs}
+
+
+def _add_feed_kernels(plans, specs: dict, tgt: dict) -> None:
+    """On the CPU, node features are checked and copied in by one parallel kernel that
+    reads the caller's array in place (``feed_rows``); the plan input names it."""
+    if tgt["kind"] != "llvm":
+        return
+    for p in plans:
+        for inp in (p.inputs if p is not None else ()):
+            if inp["role"] == "node" and inp.get("dtype") == "float32" and len(inp["dims"]) == 2:
+                spec = KernelSpec.make("feed_rows", F=int(inp["dims"][1]))
+                specs[spec.name] = spec
+                inp["feed_kernel"] = spec.name
 
 
 def target_formats(tgt: dict) -> tuple:
@@ -99,6 +113,7 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
         specs = {**specs, **tspecs}
         ir["training"] = print_graph(tgraph, show_meta=True)
     _set_thresholds([plan, train_plan], tgt, sparse_threshold)
+    _add_feed_kernels([plan, train_plan], specs, tgt)
     _set_format_costs([plan, train_plan], tgt)
     if graph is not None:
         for p in (plan, train_plan):

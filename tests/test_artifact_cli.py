@@ -234,3 +234,38 @@ def test_finite_check_is_exact_when_the_sum_overflows():
     one_nan = big.copy()
     one_nan[3, 4] = np.nan
     assert not all_finite(one_nan)
+
+
+def test_features_are_fed_in_place_by_one_checking_kernel():
+    """Dense float32 features are read where the caller keeps them (any 4-byte alignment)
+    by the feed kernel, which copies and checks them in one pass: same outputs as the
+    copying path (reordered nodes, float64 input), every non-finite entry named."""
+    from conftest import awkward_graph, ref_inputs, rel_err
+    from gcomp.errors import InputError
+    from gcomp.ir import interpret
+    from gcomp.runtime.executor import Executor
+    m = models.build("sage", 12, hidden=8, out_channels=3, layers=2)
+    art = compile_model(m)
+    assert all("feed_kernel" in i for i in art.plan.inputs if i["name"] == "x")
+    g = awkward_graph(num_nodes=300, num_edges=1500, num_features=12, seed=3)
+    ref = interpret(m.graph, ref_inputs(m.graph, g), m.params)[0]
+    base = np.zeros(300 * 12 + 1, np.float32)
+    x = base[1:].reshape(300, 12)  # 4 bytes past an allocation: not 64-byte aligned
+    x[...] = g.dense_x()
+    ex = art.executor()
+    ex.force_variants = {"sparse:x": False}
+    b = ex.feed(ex.bind(g, {"x": x}), {"x": x})
+    assert b.order is None and b.reads >= {"x"}
+    ex.execute(b)
+    assert rel_err(ex.outputs(b)[0], ref) <= 1e-4
+    for order, value in (("degree", x), ("none", x.astype(np.float64))):  # copying paths
+        other = Executor(art.plan, art.library(), art.params)
+        other.reorder, other.force_variants = order, {"sparse:x": False}
+        out = other.run(g, {"x": value})[0]
+        assert rel_err(out, ref) <= 1e-4
+        assert (other._binding.order is not None) == (order == "degree")
+    for bad in (np.nan, np.inf, -np.inf):
+        y = x.copy()
+        y[299, 11] = bad
+        with pytest.raises(InputError, match="first at node 299, feature 11"):
+            ex.run(g, {"x": y})

@@ -188,7 +188,7 @@ def _plan_with_costs(csr, dense, banded, pack_entry=0.0):
     plan = compile_model(models.build("gin", 12, hidden=16, out_channels=3, layers=2)).plan
     unit = {"csr_edge_ns": csr, "dense_entry_ns": dense, "banded_entry_ns": banded,
             "pack_dense_entry_ns": pack_entry, "pack_banded_entry_ns": pack_entry,
-            "pack_edge_ns": 0.0}
+            "pack_dense_edge_ns": 0.0, "pack_banded_edge_ns": 0.0}
     plan.formats = {"costs": {w: dict(unit) for w in plan.formats["costs"]}}
     return plan
 
@@ -245,7 +245,8 @@ def test_weights_computed_every_run_add_the_packing_cost():
     m = models.build("gat", 12, hidden=8, out_channels=3, layers=2, heads=1)
     plan = compile_model(m, train=True).train_plan
     unit = {"csr_edge_ns": 1.0, "dense_entry_ns": 0.1, "banded_entry_ns": 0.1,
-            "pack_dense_entry_ns": 1.0, "pack_banded_entry_ns": 1.0, "pack_edge_ns": 0.0}
+            "pack_dense_entry_ns": 1.0, "pack_banded_entry_ns": 1.0,
+            "pack_dense_edge_ns": 0.0, "pack_banded_edge_ns": 0.0}
     plan.formats = {"costs": {w: dict(unit) for w in plan.formats["costs"]}}
     (entry,) = decide_layout(plan, g).formats.values()
     B = entry["block"]
@@ -358,3 +359,25 @@ def test_compile_for_a_dense_graph_keeps_the_dense_kernels(tmp_path):
     out = a.run(g)[0]
     assert rel_err(out, ref) <= 1e-4
     assert [f["chosen"] for f in a.executor()._binding.formats.values()] == ["dense"]
+
+
+def test_calibration_is_kept_on_disk(tmp_path, monkeypatch):
+    """Measurements are reused for the same kernel library, parameters and machine, and
+    taken again for other kernels or parameters, or when the stored entry is damaged."""
+    from gcomp.codegen import calibrate
+    monkeypatch.setenv("GCOMP_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return {"csr_edge_ns": 1.5 * len(calls)}
+    lib = tmp_path / "0123abcd.so"
+    assert calibrate._cached("formats", lib, [32], measure) == {"csr_edge_ns": 1.5}
+    assert calibrate._cached("formats", lib, [32], measure) == {"csr_edge_ns": 1.5}
+    assert len(calls) == 1
+    calibrate._cached("formats", tmp_path / "4567ef.so", [32], measure)  # changed kernels
+    calibrate._cached("formats", lib, [64], measure)  # another width
+    assert len(calls) == 3
+    for f in (tmp_path / "calibration").glob("*.json"):
+        f.write_text("{damaged")
+    assert calibrate._cached("formats", lib, [32], measure) == {"csr_edge_ns": 6.0}

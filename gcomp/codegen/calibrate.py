@@ -9,11 +9,24 @@ this layer's K and M, compiled for the target, timed on random X of increasing
 sparsity.  The threshold is the lowest measured sparsity from which the sparse
 kernels are at least 10% faster at every higher sparsity too (1.0: never); the
 margin keeps timing noise from picking the sparse path for dense features.
+
+Measurements are kept on disk (``$GCOMP_CACHE_DIR/calibration``), keyed by the
+compiled kernel library (content-addressed: changed kernels are measured anew),
+the measurement's parameters and the machine (CPU model, core and thread
+counts): compiling again on the same machine reuses them instead of spending
+seconds re-measuring, and makes the same decisions.  Delete the folder to
+measure again.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import platform
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -33,13 +46,42 @@ def _median_time(fn, args, reps: int = 5) -> float:
     return float(np.median(ts))
 
 
+def _machine() -> list:
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                         "")
+    except OSError:
+        pass
+    return [platform.machine(), model or platform.processor(), os.cpu_count(),
+            os.environ.get("TVM_NUM_THREADS")]
+
+
+def _cached(kind: str, lib_path: Path, params: list, measure):
+    """``measure()`` for the kernels of ``lib_path`` with ``params`` on this machine, from
+    the disk cache when it was measured before (a damaged entry is measured again)."""
+    from gcomp.codegen.build import cache_dir
+    key = hashlib.sha256(json.dumps([kind, lib_path.name, params, _machine()]).encode())
+    path = cache_dir() / "calibration" / f"{kind}-{key.hexdigest()[:24]}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    value = measure()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(value, f)
+    os.replace(tmp, path)  # atomic: concurrent compiles never read half a file
+    return value
+
+
 def calibrate_sparse_threshold(K: int, M: int, target: dict, training: bool = False,
                                rows: int = 2048, seed: int = 0) -> tuple[float, list[dict]]:
-    import scipy.sparse as sp
     import tvm
 
     from gcomp.codegen.build import build_library
-    from gcomp.runtime.features import SparseFeatures
 
     if target["kind"] != "llvm":  # timings need the target machine: only the host can measure
         return 0.8, [{"note": "not measured: the target is not this machine; Morphling's 0.80"}]
@@ -49,7 +91,19 @@ def calibrate_sparse_threshold(K: int, M: int, target: dict, training: bool = Fa
         specs["dense_grad"] = KernelSpec.make("matmul_tn", K=K, M=M)
         specs["sparse_grad"] = KernelSpec.make("csr_agg", reduce="sum", H=1, C=M, weight="edge",
                                                indirect=True)
-    lib = tvm.runtime.load_module(str(build_library({s.name: s for s in specs.values()}, target)))
+    lib_path = build_library({s.name: s for s in specs.values()}, target)
+    threshold, table = _cached("sparse", lib_path, [K, M, training, rows, seed],
+                               lambda: _measure_sparse(tvm.runtime.load_module(str(lib_path)),
+                                                       specs, K, M, training, rows, seed))
+    return threshold, table
+
+
+def _measure_sparse(lib, specs: dict, K: int, M: int, training: bool, rows: int,
+                    seed: int) -> tuple[float, list[dict]]:
+    import scipy.sparse as sp
+    import tvm
+
+    from gcomp.runtime.features import SparseFeatures
     rng = np.random.default_rng(seed)
     dev = tvm.cpu()
 
@@ -113,11 +167,17 @@ def calibrate_formats(widths, target: dict, block: int = 32, rows: int = 2048,
             for F in todo:
                 specs[(fmt, F)] = KernelSpec.make("format_agg", fmt=fmt, reduce="sum", F=F,
                                                   transpose=False)
-        lib = tvm.runtime.load_module(str(build_library({s.name: s for s in specs.values()},
-                                                        target)))
-        fn = {k: lib[s.name] for k, s in specs.items()}
+        lib_path = build_library({s.name: s for s in specs.values()}, target)
+        fn = {}
+
+        def measure(F):
+            if not fn:
+                lib = tvm.runtime.load_module(str(lib_path))
+                fn.update({k: lib[s.name] for k, s in specs.items()})
+            return _measure_formats(fn, F, block, rows, seed)
         for F in todo:
-            _FORMAT_COSTS[(key, F)] = _measure_formats(fn, F, block, rows, seed)
+            _FORMAT_COSTS[(key, F)] = _cached("formats", lib_path, [F, block, rows, seed],
+                                              lambda F=F: measure(F))
     return {str(F): _FORMAT_COSTS[(key, F)] for F in set(widths)}
 
 
@@ -155,10 +215,10 @@ def _measure_formats(fn, F: int, block: int, rows: int, seed: int) -> dict:
             if n == rows:  # the per-edge part, from 4 and 32 edges per row
                 per_edge = max(_median_time(fn[("pack", fmt)], (*many, lay)) -
                                _median_time(fn[("pack", fmt)], (*few, lay)), 0.0) / (28 * rows)
-                costs["pack_edge_ns"] = per_edge * 1e9
+                costs[f"pack_{fmt}_edge_ns"] = per_edge * 1e9
                 pack -= 16 * rows * per_edge
             else:
-                pack -= 4 * n * costs["pack_edge_ns"] * 1e-9
+                pack -= 4 * n * costs[f"pack_{fmt}_edge_ns"] * 1e-9
             costs[f"pack_{fmt}_entry_ns{suffix}"] = max(pack, 0.0) / entries * 1e9
             xs, outs = (x, out) if n == rows else features(n)
             costs[f"{fmt}_entry_ns{suffix}"] = _median_time(

@@ -32,6 +32,7 @@ from gcomp.codegen.aggregate_kernel import NEG_INF, _finish, arg, leaky
 from gcomp.codegen.dense_kernels import _lanes
 from gcomp.codegen.fastmath import fast_exp
 from gcomp.codegen.kernels import definer
+from gcomp.runtime.plan import FEED_PARTS, NONFINITE
 
 PARTS = 256             # row ranges of equal work (in-edges + rows) shared out to threads
 PREFETCH_DISTANCE = 32  # edges ahead: measured best of 16 / 32 / 64 / 128 at 32 features
@@ -376,4 +377,39 @@ def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = 16):
                 _features(M, lambda j: T.buffer_store(out, part[0, a, j], [a, j]))
                 with T.serial(1, P) as q:
                     _features(M, lambda j: T.buffer_store(out, out[a, j] + part[q, a, j], [a, j]))
+    return ib.get()
+
+
+
+
+@definer("feed_rows", target="llvm")
+def feed_rows(F: int):
+    """out = x, for node features handed over as the caller's array (read in place: any
+    4-byte alignment, which the other kernels do not accept), and in ``bad[p]`` the
+    largest exponent field over row range p: NONFINITE (all its bits) exactly when
+    the range holds a NaN or an infinity (integer bits, so no floating-point rewrite
+    can fold the test away).  The features' check and copy in one parallel pass."""
+    f32, i32, i64 = "float32", "int32", "int64"
+    with IRBuilder() as ib:
+        with T.prim_func():
+            T.func_name("feed_rows")
+            T.func_attr({"tirx.noalias": True})
+            n = tirx.Var("n", i64)
+            x, out, bad = _args([("x", (n, F), f32), ("out", (n, F), f32),
+                                 ("bad", (FEED_PARTS,), i32)])
+            exponent = tirx.const(NONFINITE, i32)
+            with T.parallel(0, FEED_PARTS) as p:
+                acc = T.alloc_buffer((F,), i32, scope="local")
+                _features(F, lambda f: T.buffer_store(acc, tirx.const(0, i32), [f]))
+                lo = T.Bind(n * tirx.Cast(i64, p) // tirx.const(FEED_PARTS, i64))
+                hi = T.Bind(n * tirx.Cast(i64, p + 1) // tirx.const(FEED_PARTS, i64))
+                with T.serial(0, hi - lo) as r:
+                    def copy(f, i=lo + r):
+                        T.buffer_store(out, x[i, f], [i, f])
+                        bits = tirx.reinterpret(i32, x[i, f]) & exponent
+                        T.buffer_store(acc, tirx.max(acc[f], bits), [f])
+                    _features(F, copy)
+                T.buffer_store(bad, tirx.const(0, i32), [p])
+                with T.serial(0, F) as f:
+                    T.buffer_store(bad, tirx.max(bad[p], acc[f]), [p])
     return ib.get()

@@ -100,8 +100,8 @@ def _rules(fed: set):
             return None
         if v in fed:
             if _linear_agg(v):  # stays wide, once per feed: recorded for gcomp explain
-                v.meta["reorder"] = {"width_before": int(K), "width_after": int(K),
-                                     "hoisted": True}
+                v.meta.setdefault("reorder", {"width_before": int(K), "width_after": int(K),
+                                              "hoisted": True})
             return None
         return _distribute(n.graph, v, w)
 

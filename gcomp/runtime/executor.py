@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import tvm
+import tvm_ffi
 
 from gcomp.errors import InputError
 from gcomp.runtime.data import GraphData, check_edge_values, check_features
@@ -29,7 +30,7 @@ from gcomp.runtime import formats as fmts
 from gcomp.runtime.features import SparseFeatures, sparse_enough
 from gcomp.runtime.graph import GraphStructure
 from gcomp.runtime.memory import plan_memory
-from gcomp.runtime.plan import Plan
+from gcomp.runtime.plan import FEED_PARTS, NONFINITE, Plan
 from gcomp.runtime.reorder import choose_order, inverse, rcm_order, relabel
 
 
@@ -162,6 +163,7 @@ class Executor:
                 b = plan.buffers[name]
                 self.store[name] = self.tensor(np.zeros(_resolve(b["dims"], {}), b["dtype"]))
         self._binding: Binding | None = None
+        self._feed_flags = tvm.runtime.empty((FEED_PARTS,), "int32", self.device)
         self.force_variants: dict[str, bool] = {}  # variant key -> on/off, overriding the choice
         self.reorder = "auto"  # node order when binding: auto (cost model), none, rcm, degree
         self.formats = "auto"  # adjacency format: auto (cost model) or one of formats.FORMATS
@@ -413,14 +415,16 @@ class Executor:
         for inp in self.node_inputs():
             if inp["name"] not in values:
                 raise InputError(f"missing node input {inp['name']!r}")
-            if inp["name"] in binding.reads:  # not e.g. dense features when sparse kernels run
+            if inp["name"] in binding.reads:
                 self._put(binding, inp["name"], values[inp["name"]])
+            else:  # e.g. dense features when sparse kernels run: checked, not copied
+                self._checked(binding, inp, values[inp["name"]])
         self._run_feed_steps(binding)
         return binding
 
-    def _put(self, binding: Binding, name: str, value) -> None:
-        """Check node input ``name`` and copy it in (in the binding's node order)."""
-        inp = next(i for i in self.node_inputs() if i["name"] == name)
+    def _checked(self, binding: Binding, inp: dict, value) -> np.ndarray:
+        """Node input ``inp`` as a checked, C-ordered array of its dtype."""
+        name = inp["name"]
         want = _resolve(inp["dims"], binding.dims)
         dtype = inp.get("dtype", "float32")
         if dtype == "float32" and len(want) == 2:
@@ -430,11 +434,27 @@ class Executor:
             if x.shape != want:
                 raise InputError(f"input {name!r}: the model expects {want[1]} features per "
                                  f"node, got {x.shape[1]}")
-        else:
-            x = np.asarray(value)
-            if x.shape != want:
-                raise InputError(f"input {name!r} must have shape {want}, got {x.shape}")
-            x = np.ascontiguousarray(x, dtype=dtype)
+            return x
+        x = np.asarray(value)
+        if x.shape != want:
+            raise InputError(f"input {name!r} must have shape {want}, got {x.shape}")
+        return np.ascontiguousarray(x, dtype=dtype)
+
+    def _put(self, binding: Binding, name: str, value) -> None:
+        """Check node input ``name`` and copy it in (in the binding's node order)."""
+        inp = next(i for i in self.node_inputs() if i["name"] == name)
+        want = _resolve(inp["dims"], binding.dims)
+        if ("feed_kernel" in inp and binding.order is None and isinstance(value, np.ndarray)
+                and value.dtype == np.float32 and value.shape == want and want[0] > 0
+                and value.flags.c_contiguous):
+            # read in place by one kernel that checks and copies (alignment: any)
+            fn = self.functions[inp["feed_kernel"]]
+            fn(tvm_ffi.from_dlpack(value, require_alignment=0), binding.buffers[name],
+               self._feed_flags)
+            if self._feed_flags.numpy().max() == NONFINITE:
+                check_features(value, binding.graph.num_nodes, name)  # names the entry
+            return
+        x = self._checked(binding, inp, value)
         if binding.order is not None:
             x = np.ascontiguousarray(x[binding.order])
         binding.buffers[name].copyfrom(x)

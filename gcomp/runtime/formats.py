@@ -112,7 +112,7 @@ def estimate(plan, steps: list[dict], n: int, edges: int, fmt: str, block: int,
         w = s["formats"]["weights"]
         if w is not None and w["buf"] in dynamic and w["buf"] not in packed:
             packed.add(w["buf"])
-            total += entries * c[f"pack_{fmt}_entry_ns{size}"] + edges * c["pack_edge_ns"]
+            total += entries * c[f"pack_{fmt}_entry_ns{size}"] + edges * c[f"pack_{fmt}_edge_ns"]
     return total * 1e-6
 
 

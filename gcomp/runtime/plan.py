@@ -5,7 +5,8 @@ compiler) reads it.  Dimensions are ``"N"`` (nodes), ``"E:<graph>"`` (edges of
 a graph value) or ints.
 
 * ``inputs``: name, role (``node``, ``graph``, ``edge``), dims, and for edge
-  inputs the graph they belong to.
+  inputs the graph they belong to; ``feed_kernel`` (CPU, float features): the kernel
+  that checks and copies them in one pass (``feed_rows``).
 * ``graphs``: graph values in definition order; a derived graph names its
   parent and the self-loop mode that makes it.
 * ``buffers``: every tensor the plan touches: dims and, for views, the buffer
@@ -50,6 +51,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 PLAN_VERSION = 1
+FEED_PARTS = 64  # row ranges of an input's feed kernel, each with a flag in its output
+NONFINITE = 0x7F800000  # a flag whose range holds a NaN or an infinity (float exponent bits)
 GRAPH_ARRAYS = ("indptr", "indices", "rows", "perm", "csc_indptr", "csc_indices", "csc_eid",
                 "origin")
 
@@ -87,4 +90,7 @@ class Plan:
             for alt in ("kernels", "pack"):
                 for k in s.get("formats", {}).get(alt, {}).values():
                     seen.setdefault(k, None)
+        for i in self.inputs:
+            if "feed_kernel" in i:
+                seen.setdefault(i["feed_kernel"], None)
         return list(seen)
