@@ -353,3 +353,22 @@ def test_reorder_keeps_shared_values():
   return %y, %a
 }"""
     assert run_pass(ReorderLinear(), before) == print_graph(parse_graph(before))
+
+
+def test_fusion_takes_activation_gradients_into_matmuls_only():
+    """relu'(y) times dY W^T fuses into the matmul (its backward layer); after an
+    aggregation over out-edges it stays a kernel of its own (the distributed runtime adds
+    those partial sums after the epilogue, so it must be additive)."""
+    from gcomp.passes import FuseEpilogues
+    text = """graph t(%dy: f32[N,4], %y: f32[N,3], %g: graph<coo>) {
+  %w = param : f32[3,4]
+  %m = matmul[trans_b=true](%dy, %w) : f32[N,3]
+  %d = elementwise_grad[op="relu", of_output=true](%m, %y) : f32[N,3]
+  %a = aggregate[flow="out"](%g, %d) : f32[N,3]
+  %e = elementwise_grad[op="relu", of_output=true](%a, %y) : f32[N,3]
+  return %e
+}"""
+    g = parse_graph(text)
+    PassManager([FuseEpilogues()])(g)
+    assert g.node("m").meta["fused"] == ["d"]
+    assert "fused" not in g.node("a").meta and "fused_into" not in g.node("e").meta

@@ -413,3 +413,146 @@ def feed_rows(F: int):
                 with T.serial(0, F) as f:
                     T.buffer_store(bad, tirx.max(bad[p], acc[f]), [p])
     return ib.get()
+
+
+CE_PARTS = 64      # row ranges of the loss kernels, each with its own partial sums
+CE_PARALLEL = 1 << 16  # logits from which the ranges run in parallel: below, waking the
+                       # thread pool cost more than the rows (Cora: 0.03 -> 0.10 ms)
+CE_CLASSES = (VEC, 4096)  # classes where these kernels are used: fewer fill a fraction of
+                          # the vector lanes (the generic kernels win: Cora's 7, 0.02 vs 0.07
+                          # ms), more would not fit a row's exponentials in a local buffer
+
+
+def _lane_reduce(buf, op) -> None:
+    """Fold the VEC lanes of ``buf`` into ``buf[0]`` in log2(VEC) vector steps (a serial
+    loop over lanes would wait on each step's latency)."""
+    width = VEC // 2
+    while width >= 1:
+        with T.vectorized(0, width) as lane:
+            T.buffer_store(buf, op(buf[lane], buf[lane + width]), [lane])
+        width //= 2
+
+
+def _softmax_row(z, i, C: int, lanes, ex):
+    """Max and sum of exp(z[i] - max) of row i; the exponentials are left in ``ex``."""
+    f32 = "float32"
+    main = C - C % VEC
+    with T.vectorized(0, VEC) as lane:
+        T.buffer_store(lanes, tirx.const(NEG_INF, f32), [lane])
+    for c0 in range(0, main, VEC):
+        with T.vectorized(0, VEC) as lane:
+            T.buffer_store(lanes, tirx.max(lanes[lane], z[i, c0 + lane]), [lane])
+    if main < C:
+        with T.vectorized(0, C - main) as lane:
+            T.buffer_store(lanes, tirx.max(lanes[lane], z[i, main + lane]), [lane])
+    _lane_reduce(lanes, tirx.max)
+    mx = T.Bind(lanes[0])
+    _features(C, lambda c: T.buffer_store(ex, fast_exp(z[i, c] - mx), [c]))
+    with T.vectorized(0, VEC) as lane:
+        T.buffer_store(lanes, tirx.const(0.0, f32), [lane])
+    for c0 in range(0, main, VEC):
+        with T.vectorized(0, VEC) as lane:
+            T.buffer_store(lanes, lanes[lane] + ex[c0 + lane], [lane])
+    if main < C:
+        with T.vectorized(0, C - main) as lane:
+            T.buffer_store(lanes, lanes[lane] + ex[main + lane], [lane])
+    _lane_reduce(lanes, lambda a, b: a + b)
+    return mx, T.Bind(lanes[0])
+
+
+def _in_parts(n, C: int, body) -> None:
+    """``body(p, lo, hi)`` for CE_PARTS row ranges in parallel when there are many logits,
+    else once over all rows (p = 0)."""
+    i64 = "int64"
+    with T.If(n * tirx.const(C, i64) >= tirx.const(CE_PARALLEL, i64)):
+        with T.Then():
+            with T.parallel(0, CE_PARTS) as p:
+                lo = T.Bind(n * tirx.Cast(i64, p) // tirx.const(CE_PARTS, i64))
+                hi = T.Bind(n * tirx.Cast(i64, p + 1) // tirx.const(CE_PARTS, i64))
+                body(p, lo, hi)
+        with T.Else():
+            body(0, tirx.const(0, i64), n)
+
+
+def _valid(m, y, i):
+    return tirx.all(m[i] != tirx.const(0.0, "float32"), y[i] >= 0)
+
+
+@definer("cross_entropy", target="llvm")
+def cross_entropy(C: int):
+    """The masked mean cross-entropy (as the generic kernel), rows in parallel ranges:
+    each row's max and sum of exponentials in vector lanes folded in log2 steps."""
+    if not CE_CLASSES[0] <= C <= CE_CLASSES[1]:
+        return None
+    f32 = "float32"
+    with IRBuilder() as ib:
+        with T.prim_func():
+            T.func_name("cross_entropy")
+            T.func_attr({"tirx.noalias": True})
+            n = tirx.Var("n", "int64")
+            z, y, m, out = _args([("z", (n, C), f32), ("y", (n,), "int32"), ("m", (n,), f32),
+                                  ("out", (), f32)])
+            loss = T.alloc_buffer((CE_PARTS,), f32)
+            count = T.alloc_buffer((CE_PARTS,), f32)
+            with T.serial(0, CE_PARTS) as q:
+                T.buffer_store(loss, tirx.const(0.0, f32), [q])
+                T.buffer_store(count, tirx.const(0.0, f32), [q])
+
+            def rows(p, lo, hi):
+                lanes = T.alloc_buffer((VEC,), f32, scope="local")
+                ex = T.alloc_buffer((C,), f32, scope="local")
+                with T.serial(0, hi - lo) as r:
+                    i = lo + r
+                    T.buffer_store(count, count[p] + m[i], [p])
+                    with _if(_valid(m, y, i)):
+                        mx, sm = _softmax_row(z, i, C, lanes, ex)
+                        T.buffer_store(loss, loss[p] + m[i] * (mx + tirx.log(sm) - z[i, y[i]]),
+                                       [p])
+            _in_parts(n, C, rows)
+            total = T.alloc_buffer((2,), f32)
+            T.buffer_store(total, tirx.const(0.0, f32), [0])
+            T.buffer_store(total, tirx.const(0.0, f32), [1])
+            with T.serial(0, CE_PARTS) as q:
+                T.buffer_store(total, total[0] + loss[q], [0])
+                T.buffer_store(total, total[1] + count[q], [1])
+            T.buffer_store(out, total[0] / total[1], [])
+    return ib.get()
+
+
+@definer("cross_entropy_grad", target="llvm")
+def cross_entropy_grad(C: int):
+    """dz = dy * (softmax(z) - onehot(y)) * m / sum(m) (as the generic kernel), rows in
+    parallel ranges; each row's exponentials computed once, in a local buffer."""
+    if not CE_CLASSES[0] <= C <= CE_CLASSES[1]:
+        return None
+    f32 = "float32"
+    with IRBuilder() as ib:
+        with T.prim_func():
+            T.func_name("cross_entropy_grad")
+            T.func_attr({"tirx.noalias": True})
+            n = tirx.Var("n", "int64")
+            dy, z, y, m, out = _args([("dy", (), f32), ("z", (n, C), f32), ("y", (n,), "int32"),
+                                      ("m", (n,), f32), ("out", (n, C), f32)])
+            count = T.alloc_buffer((1,), f32)
+            T.buffer_store(count, tirx.const(0.0, f32), [0])
+            with T.serial(0, n) as i:  # one pass over n floats: cheaper than a thread launch
+                T.buffer_store(count, count[0] + m[i], [0])
+            scale = T.Bind(dy[()] / count[0])
+
+            def rows(p, lo, hi):
+                lanes = T.alloc_buffer((VEC,), f32, scope="local")
+                ex = T.alloc_buffer((C,), f32, scope="local")
+                with T.serial(0, hi - lo) as r:
+                    i = lo + r
+                    with T.If(_valid(m, y, i)):
+                        with T.Then():
+                            mx, sm = _softmax_row(z, i, C, lanes, ex)
+                            s = T.Bind(m[i] * scale)
+                            inv = T.Bind(tirx.const(1.0, f32) / sm)
+                            _features(C, lambda c: T.buffer_store(out, ex[c] * inv * s, [i, c]))
+                            T.buffer_store(out, out[i, y[i]] - s, [i, y[i]])
+                        with T.Else():
+                            _features(C, lambda c: T.buffer_store(out, tirx.const(0.0, f32),
+                                                                  [i, c]))
+            _in_parts(n, C, rows)
+    return ib.get()

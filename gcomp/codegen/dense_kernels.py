@@ -32,6 +32,8 @@ def _f32(v):
 
 def _apply(op: str, attrs: dict, args):
     x = args[0]
+    if op == "elementwise_grad":  # x is the incoming gradient (fused into its producer)
+        return _grad_expr(attrs["op"], attrs["wrt"], attrs, x, args[1:])
     if op == "relu":
         return tirx.max(x, _f32(0))
     if op == "leaky_relu":

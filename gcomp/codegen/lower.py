@@ -266,11 +266,12 @@ class _Lowering:
                                                epilogue=(tuple(chain), tuple(kinds), ext_args))
             else:
                 x, w = anchor.inputs
-                feat = self.feature_operand(x)
-                spec = KernelSpec.make("matmul", K=int(w.ty.shape[0]), M=int(w.ty.shape[1]),
-                                       epilogue=chain, extras=kinds)
-                self.step(anchor, spec, [self.arg(x), self.arg(w)] + ext_args + [self.arg(tail)],
-                          unless=self.variant(feat[0]) if feat else None)
+                feat = None if anchor.attrs["trans_b"] else self.feature_operand(x)
+                wbuf, (K, M) = (self.transposed(anchor, w) if anchor.attrs["trans_b"]
+                                else (w.name, w.ty.shape))
+                spec = KernelSpec.make("matmul", K=int(K), M=int(M), epilogue=chain, extras=kinds)
+                self.step(anchor, spec, [self.arg(x), self.arg(wbuf)] + ext_args
+                          + [self.arg(tail)], unless=self.variant(feat[0]) if feat else None)
                 if feat:
                     self.sparse_feature_matmul(anchor, feat[0], feat[1], w, tail, tuple(chain),
                                                tuple(kinds), ext_args)
@@ -463,11 +464,9 @@ class _Lowering:
             if feat:
                 self.sparse_feature_grad(n, feat[0], feat[1], w)
             return
-        if n.attrs["trans_b"]:  # x @ w.T: transpose the (small, static) w first
-            K, M = int(w.ty.shape[0]), int(w.ty.shape[1])
-            wt = self.buffer(n, dims=[M, K], name=f"{n.name}.wT")
-            self.step(n, KernelSpec.make("transpose", K=K, M=M), [self.arg(w), self.arg(wt)])
-            self.step(n, KernelSpec.make("matmul", K=M, M=K), [self.arg(x), self.arg(wt),
+        if n.attrs["trans_b"]:  # x @ w.T
+            wt, (K, M) = self.transposed(n, w)
+            self.step(n, KernelSpec.make("matmul", K=K, M=M), [self.arg(x), self.arg(wt),
                                                                 self.arg(n)])
             return
         spec = KernelSpec.make("matmul", K=int(w.ty.shape[0]), M=int(w.ty.shape[1]))
@@ -475,6 +474,14 @@ class _Lowering:
                   unless=self.variant(feat[0]) if feat else None)
         if feat:
             self.sparse_feature_matmul(n, feat[0], feat[1], w, n)
+
+    def transposed(self, n: Node, w: Node) -> tuple[str, tuple[int, int]]:
+        """The buffer holding w.T for matmul ``n`` (transposed by a step before it: w is
+        a small static weight matrix), and its shape."""
+        K, M = int(w.ty.shape[0]), int(w.ty.shape[1])
+        wt = self.buffer(n, dims=[M, K], name=f"{n.name}.wT")
+        self.step(n, KernelSpec.make("transpose", K=K, M=M), [self.arg(w), self.arg(wt)])
+        return wt, (M, K)
 
     def lower_elementwise(self, n: Node) -> None:
         self.buffer(n)

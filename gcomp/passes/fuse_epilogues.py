@@ -10,10 +10,14 @@ exist in memory.  ``anchor.meta["fused"]`` lists the members in order;
 whole group, at the position of its last member, writing the last member's value.
 
 Anchors and what they absorb:
-* ``aggregate``, ``attention_aggregate`` and ``matmul`` (no transposes): an epilogue of ``bias_add`` with a
-  bias over the flat features, unary activations, and binary ops with a scalar or a
-  tensor shaped like the result (e.g. GIN's ``(1 + eps) * x`` added after the sum);
-  a ``reshape`` between them is a free view.
+* ``aggregate``, ``attention_aggregate`` and ``matmul`` (``x @ w`` or ``x @ w.T``): an
+  epilogue of ``bias_add`` with a bias over the flat features, unary activations, and
+  binary ops with a scalar or a tensor shaped like the result (e.g. GIN's
+  ``(1 + eps) * x`` added after the sum); a ``reshape`` between them is a free view.
+  A matmul also absorbs an activation's gradient applied to it (``dy @ W.T`` times
+  relu'(y), the backward of a layer), the activation's output or input read per
+  element.  (Not an aggregation over out-edges: the distributed runtime adds their
+  partial sums across ranks after the epilogue, so it must be additive.)
 * any elementwise op (``elementwise_grad`` included): following elementwise ops of
   the same shape, fused into one elementwise kernel.
 
@@ -58,11 +62,15 @@ def _materialized(v) -> bool:
     return "fused_into" not in v.meta or v.meta.get("tail", False)
 
 
-def _absorbable_after_kernel(n, prev) -> bool:
+def _absorbable_after_kernel(n, prev, anchor) -> bool:
     if n.op == Op.RESHAPE:
         return True
     if n.op in UNARY:
         return True
+    if n.op == Op.ELEMENTWISE_GRAD:
+        return (anchor.op == Op.MATMUL and len(n.inputs) == 2 and n.inputs[0] is prev
+                and n.inputs[1] is not prev and n.ty.shape == prev.ty.shape
+                and _extra_ok(n.inputs[1], n.ty) and _materialized(n.inputs[1]))
     if n.op in OpGroup.Binary:
         other = n.inputs[1] if n.inputs[0] is prev else n.inputs[0]
         return (other is not prev and n.ty.shape == prev.ty.shape and _extra_ok(other, n.ty)
@@ -70,7 +78,7 @@ def _absorbable_after_kernel(n, prev) -> bool:
     return False
 
 
-def _absorbable_elementwise(n, prev) -> bool:
+def _absorbable_elementwise(n, prev, anchor) -> bool:
     return (n.op in CHAINABLE and n.ty.shape == prev.ty.shape
             and sum(i is prev for i in n.inputs) == 1
             and all(_materialized(i) for i in n.inputs if i is not prev))
@@ -93,8 +101,8 @@ class FuseEpilogues(Pass):
         for n in graph:
             if "fused_into" in n.meta:
                 continue
-            if n.op in (Op.AGGREGATE, Op.ATTENTION_AGGREGATE) or (n.op == Op.MATMUL and not n.attrs["trans_a"]
-                                        and not n.attrs["trans_b"]):
+            if n.op in (Op.AGGREGATE, Op.ATTENTION_AGGREGATE) or (n.op == Op.MATMUL
+                                                                  and not n.attrs["trans_a"]):
                 ok = _absorbable_after_kernel
             elif n.op in CHAINABLE and isinstance(n.ty, TensorType) and not n.ty.is_static:
                 ok = _absorbable_elementwise
@@ -105,7 +113,7 @@ class FuseEpilogues(Pass):
             members, prev = [], n
             while True:
                 u = _sole_user(prev, graph)
-                if (u is None or "fused_into" in u.meta or not ok(u, prev)
+                if (u is None or "fused_into" in u.meta or not ok(u, prev, n)
                         or u.meta.get("phase") != n.meta.get("phase")):
                     break
                 members.append(u)
