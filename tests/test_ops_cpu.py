@@ -269,3 +269,28 @@ def test_reordering_is_invisible_for_node_and_edge_outputs(order):
     refs = interpret(m.graph, ref_inputs(m.graph, g), m.params)
     for o, r in zip(outs, refs):
         assert rel_err(o, r) <= 1e-4
+
+
+@pytest.mark.parametrize("force", [None, True, False])
+def test_matmul_of_values_computed_once_per_feed(force):
+    """A matmul of values computed from the features alone (here relu(x), once per feed)
+    has its own sparse variant, decided by their sparsity once computed (the runtime
+    feeds and measures them when binding); either variant gives the interpreter's
+    result, and feeding other features recomputes them."""
+    from gcomp.runtime.executor import Executor
+    g = awkward_graph(num_nodes=70, num_edges=400, num_features=10, seed=3)
+    g.x[np.random.default_rng(2).random(g.x.shape) < 0.5] = 0.0
+    inputs = {"x": NodeInput(10), "edge_index": GraphInput()}
+    m = trace(Fn(lambda x, g_, w, W: g_.aggregate(x.relu() @ W, "sum"), [(10, 4)]), inputs)
+    art = compile_model(m, sparse_threshold=0.6)  # relu of half-zero x: about 75% zeros
+    (key, v), = art.plan.variants.items()
+    assert v["sources"] == ["x"] and art.plan.feed_steps
+    ex = Executor(art.plan, art.library(), art.params)
+    if force is not None:
+        ex.force_variants = {key: force}
+    out = ex.run(g)[0]
+    assert (key in ex._binding.variants) == (True if force is None else force)
+    assert rel_err(out, interpret(m.graph, ref_inputs(m.graph, g), m.params)[0]) <= 1e-4
+    x2 = np.random.default_rng(4).standard_normal(g.x.shape).astype(np.float32)
+    out2 = ex.run(g, {"x": x2})[0]
+    assert rel_err(out2, interpret(m.graph, ref_inputs(m.graph, g, x2), m.params)[0]) <= 1e-4

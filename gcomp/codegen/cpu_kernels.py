@@ -13,6 +13,13 @@ sum aggregation at 32 features 7.5 -> 5.5 ms, edge dot products at 4 heads x 32
 channels 136 -> 42 ms (half of it from walking rows: each destination row is
 read once instead of once per edge).
 
+The dense kernels here are those whose scheduled generic form left time on the
+table: the matmul in groups of rows (``matmul``), weight gradients in row blocks
+against register tiles (``matmul_tn``), the loss and its gradient in row ranges
+(``cross_entropy``, ``cross_entropy_grad``), and the one-pass check and copy of
+node features (``feed_rows``).  Each says where it measured faster; a definer
+returns None for parameters where the generic kernel stays.
+
 The loop kinds (parallel, vectorized) are part of the definition, so the CPU
 schedule leaves these kernels as they are (``gcomp/schedules/cpu.py``); other
 targets keep the generic definitions (``aggregate_kernel.py``,
