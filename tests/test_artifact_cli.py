@@ -72,6 +72,7 @@ def test_corrupt_member_is_detected(gcn_art, tmp_path):
 
 @pytest.mark.parametrize("field,value,msg", [
     ("format_version", 99, "format version 99"),
+    ("plan_version", 99, "plan of version 99; .* runs plans up to version 2"),
     ("tvm_version", "0.1.0", "built with TVM 0.1.0"),
     ("format", "something-else", "not a gcomp artifact"),
 ])
@@ -264,6 +265,9 @@ def test_features_are_fed_in_place_by_one_checking_kernel():
         out = other.run(g, {"x": value})[0]
         assert rel_err(out, ref) <= 1e-4
         assert (other._binding.order is not None) == (order == "degree")
+    ex.reorder = "degree"  # a changed choice binds the graph again
+    assert rel_err(ex.run(g, {"x": x})[0], ref) <= 1e-4 and ex._binding.order is not None
+    ex.reorder = "none"
     for bad in (np.nan, np.inf, -np.inf):
         y = x.copy()
         y[299, 11] = bad

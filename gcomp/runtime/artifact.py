@@ -248,6 +248,12 @@ def load(path: str | Path) -> Artifact:
             raise ArtifactError(f"{str(path)!r} has artifact format version "
                                 f"{manifest.get('format_version')}; this gcomp ({__version__}) "
                                 f"reads version {FORMAT_VERSION}: recompile the model")
+        if not isinstance(manifest.get("plan_version", 1), int) or \
+                manifest.get("plan_version", 1) > PLAN_VERSION:
+            raise ArtifactError(f"{str(path)!r} holds a plan of version "
+                                f"{manifest.get('plan_version')}; this gcomp ({__version__}) "
+                                f"runs plans up to version {PLAN_VERSION}: update gcomp or "
+                                "recompile the model")
         built_tvm, here = manifest.get("tvm_version"), tvm_version()
         if built_tvm != here:
             raise ArtifactError(f"{str(path)!r} was built with TVM {built_tvm}; this runtime has "

@@ -51,6 +51,7 @@ class Binding:
     formats: dict = field(default_factory=dict)  # graph value -> format report (formats.py)
     plan_steps: list = field(default_factory=list)  # the plan step of each entry of steps
     reads: set = field(default_factory=set)  # buffers the bound steps use (feed skips others)
+    choices: tuple = ()  # the executor's reorder, formats and forced variants when bound
 
 
 def _rows(a, order):
@@ -199,9 +200,11 @@ class Executor:
 
     def bind(self, graph: GraphData, features: dict | None = None) -> Binding:
         """Prepare ``graph`` (and, for sparse-feature variants, ``features``; default the
-        graph's own ``x``); the last binding is reused for the same objects."""
+        graph's own ``x``); the last binding is reused for the same objects and the same
+        choices (``reorder``, ``formats``, ``force_variants``)."""
         b = self._binding
-        if b is not None and b.graph is graph and all(
+        choices = (self.reorder, self.formats, tuple(sorted(self.force_variants.items())))
+        if b is not None and b.graph is graph and b.choices == choices and all(
                 b.features_src.get(k) == id(v) for k, v in (features or {}).items()
                 if k in b.features_src):
             return b
@@ -264,7 +267,7 @@ class Executor:
                       for src in v.get("sources", [v["input"]])}
         b = Binding(user_graph, structures, sizes, buffers, memory=memory.summary(),
                     variants=active, features_src=bound_from, order=order,
-                    reorder=lay.reorder, formats=lay.formats)
+                    reorder=lay.reorder, formats=lay.formats, choices=choices)
         for inp in self.plan.inputs:
             if inp["role"] == "edge":
                 w = self._edge_input(graph, inp)

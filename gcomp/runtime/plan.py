@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: feed_steps, feed kernels, variants of computed values (1 still runs)
 FEED_PARTS = 64  # row ranges of an input's feed kernel, each with a flag in its output
 NONFINITE = 0x7F800000  # a flag whose range holds a NaN or an infinity (float exponent bits)
 GRAPH_ARRAYS = ("indptr", "indices", "rows", "perm", "csc_indptr", "csc_indices", "csc_eid",
