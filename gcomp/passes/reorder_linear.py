@@ -23,7 +23,8 @@ input features) costs nothing per step: ``matmul(v, W)`` over such a ``v`` is ke
 whatever the widths, and ``aggregate(g, matmul(x, W))`` over such an ``x`` becomes
 ``matmul(aggregate(g, x), W)``; both record ``"hoisted": True``.  Each step then
 skips that aggregation forward and its transpose backward (A X W: the weight
-gradient is (A X)^T dY).
+gradient is (A X)^T dY).  Not when ``hoist_graph_static`` is disabled: nothing would
+then run once per feed.
 """
 
 from __future__ import annotations
@@ -138,4 +139,6 @@ class ReorderLinear(Pass):
     name = "reorder_linear"
 
     def run(self, graph, ctx) -> bool:
-        return apply_rules(graph, _rules(_fed_values(graph)))
+        # fed values cost nothing per step only if hoist_graph_static gives them a phase
+        hoisting = ctx is None or "hoist_graph_static" not in ctx.disabled
+        return apply_rules(graph, _rules(_fed_values(graph) if hoisting else set()))
