@@ -33,6 +33,7 @@ import numpy as np
 from gcomp.codegen.kernels import KernelSpec
 
 SPARSITIES = (0.0, 0.25, 0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99)
+PROTOCOL = 1  # of the measurements kept on disk: bump when what they measure or return changes
 MARGIN = 0.9
 
 
@@ -62,7 +63,8 @@ def _cached(kind: str, lib_path: Path, params: list, measure):
     """``measure()`` for the kernels of ``lib_path`` with ``params`` on this machine, from
     the disk cache when it was measured before (a damaged entry is measured again)."""
     from gcomp.codegen.build import cache_dir
-    key = hashlib.sha256(json.dumps([kind, lib_path.name, params, _machine()]).encode())
+    key = hashlib.sha256(json.dumps([kind, PROTOCOL, lib_path.name, params,
+                                     _machine()]).encode())
     path = cache_dir() / "calibration" / f"{kind}-{key.hexdigest()[:24]}.json"
     try:
         return json.loads(path.read_text())

@@ -467,18 +467,24 @@ def _softmax_row(z, i, C: int, lanes, ex):
     return mx, T.Bind(lanes[0])
 
 
-def _in_parts(n, C: int, body) -> None:
-    """``body(p, lo, hi)`` for CE_PARTS row ranges in parallel when there are many logits,
-    else once over all rows (p = 0)."""
-    i64 = "int64"
+def _rows_in_parts(n, C: int, body) -> None:
+    """``body(p, i, lanes, ex)`` for every row i, in CE_PARTS row ranges p in parallel when
+    there are many logits, else in one range (p = 0); ``lanes`` (VEC) and ``ex`` (C) are
+    the range's local buffers for ``_softmax_row``."""
+    i64, f32 = "int64", "float32"
+
+    def rows(p, lo, hi):
+        lanes = T.alloc_buffer((VEC,), f32, scope="local")
+        ex = T.alloc_buffer((C,), f32, scope="local")
+        with T.serial(0, hi - lo) as r:
+            body(p, lo + r, lanes, ex)
     with T.If(n * tirx.const(C, i64) >= tirx.const(CE_PARALLEL, i64)):
         with T.Then():
             with T.parallel(0, CE_PARTS) as p:
-                lo = T.Bind(n * tirx.Cast(i64, p) // tirx.const(CE_PARTS, i64))
-                hi = T.Bind(n * tirx.Cast(i64, p + 1) // tirx.const(CE_PARTS, i64))
-                body(p, lo, hi)
+                rows(p, T.Bind(n * tirx.Cast(i64, p) // tirx.const(CE_PARTS, i64)),
+                     T.Bind(n * tirx.Cast(i64, p + 1) // tirx.const(CE_PARTS, i64)))
         with T.Else():
-            body(0, tirx.const(0, i64), n)
+            rows(0, tirx.const(0, i64), n)
 
 
 def _valid(m, y, i):
@@ -505,17 +511,12 @@ def cross_entropy(C: int):
                 T.buffer_store(loss, tirx.const(0.0, f32), [q])
                 T.buffer_store(count, tirx.const(0.0, f32), [q])
 
-            def rows(p, lo, hi):
-                lanes = T.alloc_buffer((VEC,), f32, scope="local")
-                ex = T.alloc_buffer((C,), f32, scope="local")
-                with T.serial(0, hi - lo) as r:
-                    i = lo + r
-                    T.buffer_store(count, count[p] + m[i], [p])
-                    with _if(_valid(m, y, i)):
-                        mx, sm = _softmax_row(z, i, C, lanes, ex)
-                        T.buffer_store(loss, loss[p] + m[i] * (mx + tirx.log(sm) - z[i, y[i]]),
-                                       [p])
-            _in_parts(n, C, rows)
+            def row(p, i, lanes, ex):
+                T.buffer_store(count, count[p] + m[i], [p])
+                with _if(_valid(m, y, i)):
+                    mx, sm = _softmax_row(z, i, C, lanes, ex)
+                    T.buffer_store(loss, loss[p] + m[i] * (mx + tirx.log(sm) - z[i, y[i]]), [p])
+            _rows_in_parts(n, C, row)
             total = T.alloc_buffer((2,), f32)
             T.buffer_store(total, tirx.const(0.0, f32), [0])
             T.buffer_store(total, tirx.const(0.0, f32), [1])
@@ -546,20 +547,15 @@ def cross_entropy_grad(C: int):
                 T.buffer_store(count, count[0] + m[i], [0])
             scale = T.Bind(dy[()] / count[0])
 
-            def rows(p, lo, hi):
-                lanes = T.alloc_buffer((VEC,), f32, scope="local")
-                ex = T.alloc_buffer((C,), f32, scope="local")
-                with T.serial(0, hi - lo) as r:
-                    i = lo + r
-                    with T.If(_valid(m, y, i)):
-                        with T.Then():
-                            mx, sm = _softmax_row(z, i, C, lanes, ex)
-                            s = T.Bind(m[i] * scale)
-                            inv = T.Bind(tirx.const(1.0, f32) / sm)
-                            _features(C, lambda c: T.buffer_store(out, ex[c] * inv * s, [i, c]))
-                            T.buffer_store(out, out[i, y[i]] - s, [i, y[i]])
-                        with T.Else():
-                            _features(C, lambda c: T.buffer_store(out, tirx.const(0.0, f32),
-                                                                  [i, c]))
-            _in_parts(n, C, rows)
+            def row(p, i, lanes, ex):
+                with T.If(_valid(m, y, i)):
+                    with T.Then():
+                        mx, sm = _softmax_row(z, i, C, lanes, ex)
+                        s = T.Bind(m[i] * scale)
+                        inv = T.Bind(tirx.const(1.0, f32) / sm)
+                        _features(C, lambda c: T.buffer_store(out, ex[c] * inv * s, [i, c]))
+                        T.buffer_store(out, out[i, y[i]] - s, [i, y[i]])
+                    with T.Else():
+                        _features(C, lambda c: T.buffer_store(out, tirx.const(0.0, f32), [i, c]))
+            _rows_in_parts(n, C, row)
     return ib.get()

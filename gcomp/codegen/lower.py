@@ -172,7 +172,7 @@ class _Lowering:
         if agg is None:
             self.step(n, spec, args + list(ext_args) + [self.arg(out)], when=key)
             return
-        self.step(n, spec, args + [self.arg(xw)], when=key, phase="run")
+        self.step(n, spec, args + [self.arg(xw)], when=key)
         self.aggregate_step(n, agg, {"buf": xw}, self.arg(out, self.flat2(out)), M,
                             (tuple(chain), tuple(kinds), list(ext_args)), "in", when=key)
 
@@ -421,53 +421,50 @@ class _Lowering:
         else:
             H, weight = int(prod(w.ty.shape[1:])), "head"
         C = int(prod(feat)) // H
-        wview = [self.arg(w, [self.lead(w), H if weight == "head" else 1])] if w is not None else []
         tail = [self.arg(x, self.flat2(x))] + list(ext_args) + [self.arg(out, self.flat2(out))]
-        if n.attrs["flow"] == "out":  # over out-edges: the CSC arrays
-            if n.attrs["reduce"] != "sum":
-                raise CompileError(f"%{n.name}: only sum aggregates over out-edges")
-            head = [self.garr(g, "csc_indptr"), self.garr(g, "csc_indices")]
-            if w is None:
-                spec = KernelSpec.make("csr_agg", reduce="sum", H=H, C=C, weight="none", **fused)
-                args = head + tail
-            elif w.meta.get("phase") == "bind":  # fixed weights: put them in CSC order once
-                spec = KernelSpec.make("csr_agg", reduce="sum", H=H, C=C, weight=weight, **fused)
-                args = head + [self.csc_order(n, g, w, H)] + tail
-            else:
-                spec = KernelSpec.make("csr_agg", reduce="sum", H=H, C=C, weight=weight,
-                                       indirect=True, **fused)
-                args = head + [self.garr(g, "csc_eid")] + wview + tail
-            self.offer_formats(n, g, spec, wview, self.step(n, spec, args), transpose=True)
-            return
-        spec = KernelSpec.make("csr_agg", reduce=n.attrs["reduce"], H=H, C=C, weight=weight,
-                               **fused)
-        args = [self.garr(g, "indptr"), self.garr(g, "indices")] + wview + tail
+        flow = n.attrs["flow"]
+        spec, args, wview = self._agg_call(n, g, w, n.attrs["reduce"], flow, H, C, weight,
+                                           tail, fused)
         # aggregated features that only matmuls read: their sparse variant does without
         unless = (self.variant(x) if self._aggregated_features(n) and all(
             u.op == Op.MATMUL and u.inputs[0] is n and not u.attrs["trans_b"]
             for u in n.users) else None)
         self.offer_formats(n, g, spec, wview, self.step(n, spec, args, unless=unless),
-                           transpose=False)
+                           transpose=flow == "out")
+
+    def _agg_call(self, n: Node, g: Node, w: Node | None, reduce: str, flow: str, H: int,
+                  C: int, weight: str, tail: list, fused: dict) -> tuple:
+        """The ``csr_agg`` spec and arguments of an aggregation over ``g`` (``tail``: x,
+        epilogue extras, out), and the view of the weights the adjacency formats pack."""
+        wview = [self.arg(w, [self.lead(w), H if weight == "head" else 1])] if w is not None else []
+        if flow == "in":
+            spec = KernelSpec.make("csr_agg", reduce=reduce, H=H, C=C, weight=weight, **fused)
+            return spec, [self.garr(g, "indptr"), self.garr(g, "indices")] + wview + tail, wview
+        if reduce != "sum":  # over out-edges: the CSC arrays
+            raise CompileError(f"%{n.name}: only sum aggregates over out-edges")
+        head = [self.garr(g, "csc_indptr"), self.garr(g, "csc_indices")]
+        if w is None:
+            spec = KernelSpec.make("csr_agg", reduce="sum", H=H, C=C, weight="none", **fused)
+            return spec, head + tail, wview
+        if w.meta.get("phase") == "bind":  # fixed weights: put them in CSC order once
+            spec = KernelSpec.make("csr_agg", reduce="sum", H=H, C=C, weight=weight, **fused)
+            return spec, head + [self.csc_order(n, g, w, H)] + tail, wview
+        spec = KernelSpec.make("csr_agg", reduce="sum", H=H, C=C, weight=weight, indirect=True,
+                               **fused)
+        return spec, head + [self.garr(g, "csc_eid")] + wview + tail, wview
 
     def aggregate_step(self, n: Node, agg: Node, x_arg: dict, out_arg: dict, C: int,
                        epilogue, flow: str, when: str) -> None:
-        """``agg``'s aggregation (a sum: its graph and edge weights; over out-edges: its
-        transpose) applied to ``x_arg`` [N, C] into ``out_arg``, as a run step of node
+        """``agg``'s aggregation (a sum: its graph and fixed edge weights; over out-edges:
+        its transpose) applied to ``x_arg`` [N, C] into ``out_arg``, as a step of node
         ``n`` in variant ``when``."""
-        g = agg.inputs[0]
         w = agg.inputs[2] if len(agg.inputs) > 2 else None
         chain, kinds, ext_args = epilogue
         fused = {"epilogue": chain, "extras": kinds} if chain else {}
-        weight = "edge" if w is not None else "none"
-        tail = [x_arg] + list(ext_args) + [out_arg]
-        if flow == "out":
-            head = [self.garr(g, "csc_indptr"), self.garr(g, "csc_indices")]
-            wargs = [self.csc_order(n, g, w, 1)] if w is not None else []
-        else:
-            head = [self.garr(g, "indptr"), self.garr(g, "indices")]
-            wargs = [self.arg(w, [self.lead(w), 1])] if w is not None else []
-        spec = KernelSpec.make("csr_agg", reduce="sum", H=1, C=C, weight=weight, **fused)
-        self.step(n, spec, head + wargs + tail, when=when, phase="run")
+        spec, args, _ = self._agg_call(n, agg.inputs[0], w, "sum", flow, 1, C,
+                                       "edge" if w is not None else "none",
+                                       [x_arg] + list(ext_args) + [out_arg], fused)
+        self.step(n, spec, args, when=when)
 
     def csc_order(self, n: Node, g: Node, w: Node, H: int) -> dict:
         """Edge values ``w`` of graph ``g`` in CSC order (out-edges grouped by source),

@@ -513,7 +513,7 @@ class DistExecutor(Executor):
         schedule, made at bind, stays, and so do its traffic counters."""
         run_traffic, bind_valid = self.traffic, self._bind_valid
         self._run_bind_steps(binding, binding.feed_steps)
-        self.feed_traffic, self.traffic, self._bind_valid = self.traffic, run_traffic, bind_valid
+        self.traffic, self._bind_valid = run_traffic, bind_valid
 
     # ---- run phase: a schedule of kernels and communication
     def bind(self, graph, features=None) -> Binding:

@@ -248,10 +248,10 @@ def load(path: str | Path) -> Artifact:
             raise ArtifactError(f"{str(path)!r} has artifact format version "
                                 f"{manifest.get('format_version')}; this gcomp ({__version__}) "
                                 f"reads version {FORMAT_VERSION}: recompile the model")
-        if not isinstance(manifest.get("plan_version", 1), int) or \
-                manifest.get("plan_version", 1) > PLAN_VERSION:
+        plan_version = manifest.get("plan_version", 1)
+        if not isinstance(plan_version, int) or plan_version > PLAN_VERSION:
             raise ArtifactError(f"{str(path)!r} holds a plan of version "
-                                f"{manifest.get('plan_version')}; this gcomp ({__version__}) "
+                                f"{plan_version}; this gcomp ({__version__}) "
                                 f"runs plans up to version {PLAN_VERSION}: update gcomp or "
                                 "recompile the model")
         built_tvm, here = manifest.get("tvm_version"), tvm_version()

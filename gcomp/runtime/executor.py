@@ -303,15 +303,18 @@ class Executor:
         """Decide the sparse variants of values the feed steps compute from the features
         (``plan.variants`` with ``sources``): their sparsity is known once computed, so
         feed the sources bound with, run the feed steps and measure."""
+        inputs = {i["name"]: i for i in self.node_inputs()}
+        # the graph's own x feeds the first float matrix input
+        default = next((k for k, i in inputs.items()
+                        if i.get("dtype", "float32") == "float32" and len(i["dims"]) == 2), None)
         todo = {k: v for k, v in self.plan.variants.items() if "sources" in v
                 and self.force_variants.get(k) is not False
-                and all(s in (features or {}) or s == self._default_features()
-                        for s in v["sources"])}
+                and all(s in (features or {}) or s == default for s in v["sources"])}
         if not todo:
             return
         for src in {s for v in todo.values() for s in v["sources"]}:
             x = (features or {}).get(src, b.graph.x)
-            self._put(b, src, x if x is not None else b.graph.dense_x())
+            self._put(b, inputs[src], x if x is not None else b.graph.dense_x())
         self._run_feed_steps(b)
         for key, v in todo.items():
             z = b.buffers[v["input"]].numpy()
@@ -319,12 +322,6 @@ class Executor:
             if forced if forced is not None else sparse_enough(z, v["threshold"]):
                 active.add(key)
                 sparse[v["input"]] = SparseFeatures(z)
-
-    def _default_features(self) -> str | None:
-        """The node input a graph's own ``x`` feeds (the first float matrix input)."""
-        ins = [i["name"] for i in self.node_inputs()
-               if i.get("dtype", "float32") == "float32" and len(i["dims"]) == 2]
-        return ins[0] if ins else None
 
     def _in_formats(self, run: list, lay: Layout, graph_array, args_of) -> tuple[list, list]:
         """The run steps with aggregations in their chosen formats, and the layouts they
@@ -419,7 +416,7 @@ class Executor:
             if inp["name"] not in values:
                 raise InputError(f"missing node input {inp['name']!r}")
             if inp["name"] in binding.reads:
-                self._put(binding, inp["name"], values[inp["name"]])
+                self._put(binding, inp, values[inp["name"]])
             else:  # e.g. dense features when sparse kernels run: checked, not copied
                 self._checked(binding, inp, values[inp["name"]])
         self._run_feed_steps(binding)
@@ -443,9 +440,9 @@ class Executor:
             raise InputError(f"input {name!r} must have shape {want}, got {x.shape}")
         return np.ascontiguousarray(x, dtype=dtype)
 
-    def _put(self, binding: Binding, name: str, value) -> None:
-        """Check node input ``name`` and copy it in (in the binding's node order)."""
-        inp = next(i for i in self.node_inputs() if i["name"] == name)
+    def _put(self, binding: Binding, inp: dict, value) -> None:
+        """Check node input ``inp`` and copy it in (in the binding's node order)."""
+        name = inp["name"]
         want = _resolve(inp["dims"], binding.dims)
         if ("feed_kernel" in inp and binding.order is None and isinstance(value, np.ndarray)
                 and value.dtype == np.float32 and value.shape == want and want[0] > 0
