@@ -8,7 +8,9 @@ Graphs (synthetic, fixed seeds) where each format has its case:
 * ``band-k64``: 50,000 nodes, 64 in-edges each from nodes at most 32 apart, numbered at
   random (reverse Cuthill-McKee recovers the band): banded;
 * ``molecules``: 5,000 graphs of 30 nodes packed into one (8 in-edges per node, within
-  its graph): block diagonal, yet sparse enough for CSR.
+  its graph): block diagonal, yet sparse enough for CSR or ELL buckets;
+* ``cora-edges``: Cora's 2,708 nodes and 10,556 edges (features random, as for the others):
+  small enough to stay in cache, where ELL buckets compete with CSR.
 
 For each graph and model (3 layers, hidden 32, Adam): one gcomp trainer per feasible
 format and one left to the cost model (``auto``), and PyG with a CSR adjacency, timed
@@ -59,7 +61,14 @@ def molecules(seed: int = 0):
     return graphs * size, np.stack([src, dst])
 
 
-GRAPHS = {"complete-2k": complete, "band-k64": band, "molecules": molecules}
+def cora_edges(seed: int = 0):
+    from gcomp.runtime.data import load_graph
+    g = load_graph("cora")
+    return g.num_nodes, g.edge_index
+
+
+GRAPHS = {"complete-2k": complete, "band-k64": band, "molecules": molecules,
+          "cora-edges": cora_edges}
 
 
 def graph_data(name: str):
@@ -98,7 +107,7 @@ def main(argv=None) -> dict:
             art = compile_model(model, train=True)
             runners, entry = {}, {"graph": gname, "model": mname, "nodes": g.num_nodes,
                                   "edges": g.num_edges, "bind_ms": {}, "chosen": None}
-            for fmt in ("auto", "csr", "dense", "banded"):
+            for fmt in ("auto", "csr", "dense", "banded", "ell"):
                 try:
                     tr = Trainer(art, g, formats=fmt)
                 except InputError as e:
@@ -149,9 +158,9 @@ def markdown(res: dict) -> str:
     lines = [f"# Adjacency formats: training epoch per format ({res['date_utc']})", "",
              f"{mach['cpu_model']}, {mach['cores_available']} cores; threads {res['threads']}; "
              f"`{res['command']}`; 3 layers, hidden 32, Adam; median ms per epoch", "",
-             "| graph | model | csr | dense | banded | auto (choice) | PyG CSR | auto vs PyG |"
-             " predicted aggregation ms (csr / dense / banded) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| graph | model | csr | dense | banded | ell | auto (choice) | PyG CSR | auto vs "
+             "PyG | predicted aggregation ms (csr / dense / banded / ell) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for e in res["results"]:
         med = e["median_ms"]
 
@@ -160,10 +169,11 @@ def markdown(res: dict) -> str:
         choice = ", ".join(sorted(set((e["chosen"] or {}).values()))) or "csr"
         pred = next(iter(e.get("predicted_ms", {}).values()), {})
         pred_s = " / ".join(f"{pred[k]:.2f}" if k in pred else "-"
-                            for k in ("csr", "dense", "banded"))
+                            for k in ("csr", "dense", "banded", "ell"))
         ratio = f"{med['pyg-csr'] / med['auto']:.2f}x" if "pyg-csr" in med else "-"
         lines.append(f"| {e['graph']} ({e['nodes']:,} nodes, {e['edges']:,} edges) | "
                      f"{e['model']} | {cell('csr')} | {cell('dense')} | {cell('banded')} | "
+                     f"{cell('ell')} | "
                      f"{cell('auto')} ({choice}, order {e.get('node_order')}) | "
                      f"{cell('pyg-csr')} | {ratio} | {pred_s} |")
     return "\n".join(lines) + "\n"

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from gcomp.errors import GcompError
+from gcomp.runtime.formats import MODES
 
 EXIT_USER_ERROR = 2
 
@@ -464,7 +465,7 @@ def cmd_info(args) -> int:
 def _reorder_flag(p) -> None:
     p.add_argument("--reorder", default="auto", choices=["auto", "none", "rcm", "degree"],
                    help="node order for the kernels (auto: chosen by the cost model)")
-    p.add_argument("--format", default="auto", choices=["auto", "csr", "dense", "banded"],
+    p.add_argument("--format", default="auto", choices=list(MODES),
                    help="adjacency format of the aggregations (auto: chosen by the cost model)")
 
 

@@ -69,7 +69,7 @@ def _add_feed_kernels(plans, specs: dict, tgt: dict) -> None:
 
 def target_formats(tgt: dict) -> tuple:
     """The adjacency formats besides CSR with kernels for the target (the CPU's)."""
-    return ("dense", "banded") if tgt["kind"] == "llvm" else ()
+    return ("dense", "banded", "ell") if tgt["kind"] == "llvm" else ()
 
 
 def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None = None,

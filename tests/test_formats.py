@@ -2,6 +2,7 @@
 the float64 interpreter, and the cost model that chooses between them and CSR."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -60,6 +61,13 @@ def kernels():
         specs[(fmt, "epilogue")] = KernelSpec.make(
             "format_agg", fmt=fmt, reduce="sum", F=7, transpose=False,
             epilogue=(("add", (), 0, False), ("relu", (), None, False)), extras=("vec",))
+    for F in (7, 45):  # ELL: A.T is a layout of its own, one kernel serves both
+        for reduce in ("sum", "mean"):
+            specs[("ell", F, reduce)] = KernelSpec.make("format_agg", fmt="ell", reduce=reduce,
+                                                        F=F, transpose=False)
+    specs[("ell", "epilogue")] = KernelSpec.make(
+        "format_agg", fmt="ell", reduce="mean", F=7, transpose=False,
+        epilogue=(("add", (), 0, False), ("relu", (), None, False)), extras=("vec",))
     lib = tvm.runtime.load_module(str(build_library({s.name: s for s in specs.values()},
                                                     make_target("llvm"))))
     return {k: lib[s.name] for k, s in specs.items()}
@@ -122,8 +130,90 @@ def test_format_kernels_apply_the_epilogue(kernels, fmt):
     assert rel_err(out.numpy(), np.maximum(a @ x + bias, 0)) <= 1e-5
 
 
+def _csr(dst, src, n):
+    order = np.argsort(dst, kind="stable")
+    indptr = np.concatenate([[0], np.cumsum(np.bincount(dst, minlength=n))]).astype(np.int64)
+    return indptr, src[order].astype(np.int32), order
+
+
+def test_ell_layout_pads_each_row_to_a_power_of_two():
+    """Buckets by degree (0: no edges; k: degree in (2^(k-2), 2^(k-1)]), every position in
+    exactly one work unit, padding with value 0 repeating a real neighbour."""
+    rng = np.random.default_rng(3)
+    n = 300
+    deg = rng.integers(0, 12, n)
+    deg[7], deg[8], deg[9] = 33, 64, 1000  # widths 64, 64 and 1024
+    dst = np.repeat(np.arange(n), deg)
+    src = rng.integers(0, n, dst.size)
+    indptr, indices, _ = _csr(dst, src, n)
+    w = rng.uniform(0.5, 1.5, dst.size).astype(np.float32)
+    work, perm, cols, vals = fmts.pack_ell(indptr, indices, w, parts=16)
+    want_width = np.where(deg > 0, 2 ** np.ceil(np.log2(np.maximum(deg, 1))), 0).astype(int)
+    assert cols.size == want_width.sum() == fmts.ell_slots(indptr)
+    assert sorted(perm) == list(range(n))
+    covered = np.concatenate([np.arange(p0, p1) for _, p0, p1, _ in work])
+    assert np.array_equal(np.sort(covered), np.arange(n))
+    for k, p0, p1, s0 in work:
+        W = 0 if k == 0 else 1 << (k - 1)
+        for r, p in enumerate(range(p0, p1)):
+            i = perm[p]
+            assert want_width[i] == W
+            got_c, got_v = cols[s0 + r * W: s0 + (r + 1) * W], vals[s0 + r * W: s0 + (r + 1) * W]
+            lo, hi = indptr[i], indptr[i + 1]
+            assert np.array_equal(got_c[:hi - lo], indices[lo:hi])
+            assert np.array_equal(got_v[:hi - lo], w[lo:hi])
+            assert (got_v[hi - lo:] == 0).all() and set(got_c[hi - lo:]) <= set(indices[lo:hi])
+
+
+@pytest.mark.parametrize("n", [1, 50, 300])
+@pytest.mark.parametrize("F", [7, 45])
+def test_ell_kernel_equals_numpy(kernels, n, F):
+    """Sums and means over in-edges and (from the CSC arrays) out-edges, weighted or not,
+    with duplicate edges, rows without edges, and hub rows past the unrolled widths."""
+    rng = np.random.default_rng(n + F)
+    deg = rng.integers(0, 9, n)
+    deg[: min(n, 3)] = [200, 40, 0][: min(n, 3)]
+    dst = np.repeat(np.arange(n), deg)
+    src = rng.integers(0, n, dst.size)
+    src[: dst.size // 10] = 0  # duplicates, and a hub in the transposed graph
+    w = rng.uniform(-1, 1, dst.size).astype(np.float32)
+    x = rng.standard_normal((n, F)).astype(np.float32)
+    t = tvm.runtime.tensor
+    for weight in ("none", "edge"):
+        we = w if weight == "edge" else None
+        a = np.zeros((n, n))
+        np.add.at(a, (dst, src), 1.0 if we is None else we.astype(np.float64))
+        for reduce, transposed in (("sum", False), ("sum", True), ("mean", False)):
+            rows, cols = (src, dst) if transposed else (dst, src)
+            indptr, indices, order = _csr(rows, cols, n)
+            layout = fmts.pack_ell(indptr, indices, None if we is None else we[order])
+            want = (a.T if transposed else a) @ x
+            if reduce == "mean":
+                want = want / np.maximum(np.diff(indptr), 1)[:, None]
+            out = tvm.runtime.empty((n, F), "float32")
+            kernels[("ell", F, reduce)](*(t(v) for v in layout), t(indptr), t(x), out)
+            assert rel_err(out.numpy(), want) <= 1e-5, (weight, reduce, transposed)
+
+
+def test_ell_kernel_applies_the_epilogue(kernels):
+    n, F = 60, 7
+    rng = np.random.default_rng(4)
+    dst, src = rng.integers(0, n, (2, 400))
+    indptr, indices, _ = _csr(dst, src, n)
+    x = rng.standard_normal((n, F)).astype(np.float32)
+    bias = rng.standard_normal(F).astype(np.float32)
+    t = tvm.runtime.tensor
+    out = tvm.runtime.empty((n, F), "float32")
+    kernels[("ell", "epilogue")](*(t(v) for v in fmts.pack_ell(indptr, indices, None)),
+                                 t(indptr), t(x), t(bias), out)
+    a = np.zeros((n, n))
+    np.add.at(a, (dst, src), 1.0)
+    mean = a @ x / np.maximum(a.sum(1), 1)[:, None]
+    assert rel_err(out.numpy(), np.maximum(mean + bias, 0)) <= 1e-5
+
+
 # ------------------------------------------------------------------ models
-@pytest.mark.parametrize("fmt", ["dense", "banded"])
+@pytest.mark.parametrize("fmt", ["dense", "banded", "ell"])
 @pytest.mark.parametrize("name", MODELS)
 def test_models_in_each_format_equal_the_interpreter(name, fmt):
     g = band_graph()
@@ -143,14 +233,20 @@ def test_models_in_each_format_equal_the_interpreter(name, fmt):
         assert ex._binding.reorder["chosen"] == "rcm"
 
 
-@pytest.mark.parametrize("fmt", ["dense", "banded"])
+@pytest.mark.parametrize("fmt", ["dense", "banded", "ell"])
 @pytest.mark.parametrize("name", MODELS)
 def test_training_in_each_format_equals_the_interpreter(name, fmt):
-    """Forward and backward (aggregation over out-edges) share one packed layout; GAT's
-    one-head last layer packs its attention weights on every step."""
+    """Forward and backward (aggregation over out-edges) share one packed layout (ELL:
+    A and A.T have one each); GAT's one-head last layer packs its attention weights on
+    every step, which ELL, packed once per graph, refuses by name."""
     g = labelled(band_graph(features=6, seed=2), 3)
     g.edge_weight = None
     m = models.build(name, 6, hidden=8, out_channels=3, layers=3, heads=2, seed=1)
+    if name == "gat" and fmt == "ell":
+        with pytest.raises(InputError, match="cannot run as ell: its edge weights change "
+                                             "every run"):
+            Trainer(compile_model(m, train=True), g, formats="ell")
+        return
     tr = compiled_vs_interpreted(m, g, 3, seed=2, formats=fmt)
     assert set(tr._binding.formats[k]["chosen"] for k in tr._binding.formats) == {fmt}
     if name == "gat":
@@ -164,7 +260,7 @@ def test_graph_without_edges_in_each_format():
     m = models.build("sage", 12, hidden=4, out_channels=2, layers=2)
     ex = compile_model(m).executor()
     ref = interpret(m.graph, ref_inputs(m.graph, g), m.params)[0]
-    for fmt in ("dense", "banded"):
+    for fmt in ("dense", "banded", "ell"):
         ex.formats, ex._binding = fmt, None
         assert rel_err(ex.run(g)[0], ref) <= 1e-5
 
@@ -186,7 +282,8 @@ def test_measured_costs_choose_dense_for_a_doubly_complete_graph():
 
 def _plan_with_costs(csr, dense, banded, pack_entry=0.0):
     plan = compile_model(models.build("gin", 12, hidden=16, out_channels=3, layers=2)).plan
-    unit = {"csr_edge_ns": csr, "dense_entry_ns": dense, "banded_entry_ns": banded,
+    unit = {"csr_edge_ns": csr, "csr_row_ns": 0.0, "ell_slot_ns": 100.0, "ell_row_ns": 0.0,
+            "dense_entry_ns": dense, "banded_entry_ns": banded,
             "pack_dense_entry_ns": pack_entry, "pack_banded_entry_ns": pack_entry,
             "pack_dense_edge_ns": 0.0, "pack_banded_edge_ns": 0.0}
     plan.formats = {"costs": {w: dict(unit) for w in plan.formats["costs"]}}
@@ -226,6 +323,28 @@ def test_cost_model_picks_the_cheapest_feasible_format():
     assert list(decide_layout(_plan_with_costs(0.1, 1.0, 1.0), g).chosen.values()) == ["csr"]
 
 
+def test_cost_model_weighs_ell_slots_and_rows():
+    """ELL costs slots (degrees rounded up to powers of two) x c_slot + rows x c_row, and
+    must beat CSR by the margin to be chosen."""
+    g = band_graph(n=256, edges=4000, reach=12, shuffle=False)
+    plan = _plan_with_costs(1.0, 10.0, 10.0)
+    steps = fmts.format_steps(plan).popitem()[1]
+    for c in plan.formats["costs"].values():
+        c.update(ell_slot_ns=0.5, ell_row_ns=2.0)
+    (entry,) = decide_layout(plan, g).formats.values()
+    slots = entry["ell_slots"]
+    assert set(slots) == {"forward"}  # inference: no aggregation over A.T
+    lay = decide_layout(plan, g)
+    csr_edges = lay.structures["edge_index"].num_edges
+    assert slots["forward"] == fmts.ell_slots(lay.structures["edge_index"].indptr) > csr_edges
+    assert entry["cost_ms"]["ell"] == pytest.approx(
+        len(steps) * (slots["forward"] * 0.5 + 256 * 2.0) * 1e-6)
+    assert entry["chosen"] == "ell"
+    for c in plan.formats["costs"].values():  # predicted 5% faster: within the margin
+        c.update(ell_slot_ns=0.95 * csr_edges / slots["forward"], ell_row_ns=0.0)
+    assert list(decide_layout(plan, g).chosen.values()) == ["csr"]
+
+
 def test_reverse_cuthill_mckee_is_tried_only_when_the_band_would_pay():
     g = band_graph(n=256, edges=4000, reach=12)  # shuffled: a wide band in the given order
     cheap_band = decide_layout(_plan_with_costs(1.0, 10.0, 0.1), g)
@@ -244,7 +363,8 @@ def test_weights_computed_every_run_add_the_packing_cost():
     g = band_graph(n=256, edges=4000, shuffle=False)
     m = models.build("gat", 12, hidden=8, out_channels=3, layers=2, heads=1)
     plan = compile_model(m, train=True).train_plan
-    unit = {"csr_edge_ns": 1.0, "dense_entry_ns": 0.1, "banded_entry_ns": 0.1,
+    unit = {"csr_edge_ns": 1.0, "csr_row_ns": 0.0, "ell_slot_ns": 100.0, "ell_row_ns": 0.0,
+            "dense_entry_ns": 0.1, "banded_entry_ns": 0.1,
             "pack_dense_entry_ns": 1.0, "pack_banded_entry_ns": 1.0,
             "pack_dense_edge_ns": 0.0, "pack_banded_edge_ns": 0.0}
     plan.formats = {"costs": {w: dict(unit) for w in plan.formats["costs"]}}
@@ -303,7 +423,11 @@ def test_explain_shows_the_format_costs(capsys):
     text = capsys.readouterr().out
     assert "adjacency format costs measured on the target" in text
     assert "format of edge_index (2 aggregations; band blocks of " in text
-    assert "): csr (predicted per run: csr " in text
+    # Cora is small: CSR or ELL by the costs measured on this machine, dense and banded far off
+    assert re.search(r"\): (csr|ell) \(predicted per run: csr [\d.]+ ms, dense [\d.]+ ms, "
+                     r"banded [\d.]+ ms, ell [\d.]+ ms; ELL slots forward 13,523", text), text
+    assert re.search(r"16 features: csr [\d.]+ ns/edge \+ [\d.]+ ns/row, ell [\d.]+ ns/slot",
+                     text)
 
 
 # ------------------------------------------------------------------ specialization
@@ -318,9 +442,15 @@ def test_compile_for_a_graph_keeps_only_the_kernels_it_runs(tmp_path):
     generic = compile_model(m, train=True)
     special = compile_model(m, train=True, graph=cora)
     rec = special.plan.specialized
-    assert rec["graph"] == "cora" and rec["formats"] == {"convs.0.graph": "csr"}
+    assert rec["graph"] == "cora" and list(rec["formats"]) == ["convs.0.graph"]
     assert rec["sparse_features"] == {"sparse:x": True}  # Cora: 98.7% zeros
-    assert not any("formats" in s for s in special.plan.steps + special.train_plan.steps)
+    for plan in (special.plan, special.train_plan):
+        # small and sparse: CSR or ELL by this machine's costs, never dense or banded
+        chosen = plan.specialized["formats"]["convs.0.graph"]
+        assert chosen in ("csr", "ell")
+        kept = [s["formats"] for s in plan.steps if "formats" in s]
+        assert all(list(f["kernels"]) == [chosen] for f in kept)
+        assert bool(kept) == (chosen == "ell")
     assert len(special.kernels()) < len(generic.kernels())
     for art in (generic, special):  # same decisions when bound, same results
         tr = Trainer(art, labelled(cora, 7), seed=0)

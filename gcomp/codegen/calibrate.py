@@ -33,14 +33,18 @@ import numpy as np
 from gcomp.codegen.kernels import KernelSpec
 
 SPARSITIES = (0.0, 0.25, 0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99)
-PROTOCOL = 1  # of the measurements kept on disk: bump when what they measure or return changes
+PROTOCOL = 2  # of the measurements kept on disk: bump when what they measure or return changes
 MARGIN = 0.9
 
 
-def _median_time(fn, args, reps: int = 5) -> float:
+def _median_time(fn, args, reps: int = 5, span_s: float = 0.0) -> float:
+    """Median of ``reps`` timed calls, or of as many more as fill ``span_s``: a kernel of
+    microseconds timed within one scheduler time slice would read all slow when another
+    process holds a core for that slice."""
     fn(*args)
     ts = []
-    for _ in range(reps):
+    end = time.perf_counter() + span_s
+    while len(ts) < reps or time.perf_counter() < end:
         t = time.perf_counter()
         fn(*args)
         ts.append(time.perf_counter() - t)
@@ -139,20 +143,25 @@ def _measure_sparse(lib, specs: dict, K: int, M: int, training: bool, rows: int,
 
 _FORMAT_COSTS: dict = {}  # (target, width) -> costs; measuring takes a few seconds
 LARGE_LAYOUT_BYTES = 64 << 20  # twice the last-level cache gcomp was tuned on
+GATHER_ROWS = 1 << 18  # rows of the graph whose random gathers miss the cache (CSR, ELL)
 
 
 def calibrate_formats(widths, target: dict, block: int = 32, rows: int = 2048,
                       seed: int = 0) -> dict[str, dict]:
     """Per-unit costs (ns) of the adjacency formats at each feature width, measured on the
-    target (``gcomp/runtime/formats.py`` predicts with them): CSR aggregation per edge;
-    dense and banded aggregation per layout entry, for a layout in cache and for one of
-    ``LARGE_LAYOUT_BYTES`` (``_large``: streamed from memory); packing a layout per
-    entry (both sizes) and per edge.
+    target (``gcomp/runtime/formats.py`` predicts with them): CSR aggregation per edge and
+    per row, ELL buckets per slot and per row, dense and banded aggregation per layout
+    entry, for a layout in cache and for one of ``LARGE_LAYOUT_BYTES`` (``_large``:
+    streamed from memory); packing a layout per entry (both sizes) and per edge.
 
-    CSR and the small layouts are measured on a graph of ``rows`` nodes whose 16 in-edges
-    per node lie within ``block`` rows, so the CSR gathers hit the cache as they do on the
-    graphs where the other formats compete (small dense graphs, banded graphs); packing
-    on 4 and 32 edges per node, whose difference gives the per-edge part."""
+    The small layouts are measured on a graph of ``rows`` nodes whose 16 in-edges per node
+    lie within ``block`` rows, so the gathers hit the cache as they do on the graphs where
+    these formats compete (small dense graphs, banded graphs); packing on 4 and 32 edges
+    per node, whose difference gives the per-edge part.  CSR and ELL are fitted (per edge
+    or slot, per row) to two such graphs of 2 and 32 in-edges per node on average, of
+    mixed degrees (ELL rows then fall in several buckets, out of order), and (``_large``)
+    to two of ``GATHER_ROWS`` nodes with random neighbours, 2 and 12 in-edges per node:
+    gathers and ELL's out-of-order stores that miss the cache."""
     import tvm
 
     from gcomp.codegen.build import build_library
@@ -164,8 +173,9 @@ def calibrate_formats(widths, target: dict, block: int = 32, rows: int = 2048,
     if todo:
         specs = {("csr", F): KernelSpec.make("csr_agg", reduce="sum", H=1, C=F, weight="edge")
                  for F in todo}
-        for fmt in ("dense", "banded"):
-            specs[("pack", fmt)] = KernelSpec.make("format_pack", fmt=fmt, weight="edge")
+        for fmt in ("dense", "banded", "ell"):
+            if fmt != "ell":
+                specs[("pack", fmt)] = KernelSpec.make("format_pack", fmt=fmt, weight="edge")
             for F in todo:
                 specs[(fmt, F)] = KernelSpec.make("format_agg", fmt=fmt, reduce="sum", F=F,
                                                   transpose=False)
@@ -183,6 +193,35 @@ def calibrate_formats(widths, target: dict, block: int = 32, rows: int = 2048,
     return {str(F): _FORMAT_COSTS[(key, F)] for F in set(widths)}
 
 
+def _row_formats(fn, F: int, graphs: list, x, out, suffix: str) -> dict:
+    """CSR and ELL costs per edge (ELL: slot, padding included) and per row, fitted to
+    their times on two ``graphs`` (indptr, indices, w as tensors) of as many rows and
+    different degrees."""
+    import tvm
+
+    from gcomp.runtime.formats import ell_slots, pack_ell
+    reps = 7 if suffix else 15  # the difference of two times: noise counts double
+    span = 0.05
+    costs = {}
+    for fmt in ("csr", "ell"):
+        units, times = [], []
+        for g in graphs:
+            indptr = g[0].numpy()
+            if fmt == "ell":
+                lay = [tvm.runtime.tensor(a, x.device) for a in pack_ell(
+                    indptr, g[1].numpy(), g[2].numpy())]
+                times.append(_median_time(fn[("ell", F)], (*lay, g[0], x, out), reps, span))
+                units.append(ell_slots(indptr))
+            else:
+                times.append(_median_time(fn[("csr", F)], (*g, x, out), reps, span))
+                units.append(int(indptr[-1]))
+        rows = graphs[0][0].shape[0] - 1
+        per_unit = max(times[1] - times[0], 0.0) / (units[1] - units[0])
+        costs[f"{fmt}_{'edge' if fmt == 'csr' else 'slot'}_ns{suffix}"] = per_unit * 1e9
+        costs[f"{fmt}_row_ns{suffix}"] = max(times[0] - units[0] * per_unit, 0.0) / rows * 1e9
+    return costs
+
+
 def _measure_formats(fn, F: int, block: int, rows: int, seed: int) -> dict:
     import tvm
 
@@ -190,10 +229,13 @@ def _measure_formats(fn, F: int, block: int, rows: int, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     dev = tvm.cpu()
 
-    def graph(n: int, per_row: int):
-        dst = np.repeat(np.arange(n), per_row)
-        src = np.clip(dst + rng.integers(-block, block + 1, dst.size), 0, n - 1)
-        indptr = np.arange(0, dst.size + 1, per_row, dtype=np.int64)
+    def graph(n: int, per_row: int, spread: int = block, mixed: bool = False):
+        """``per_row`` in-edges per row (``mixed``: 1 .. 2 per_row - 1, as many on average:
+        ELL then has rows of several buckets, out of order) from within ``spread`` rows."""
+        deg = rng.integers(1, 2 * per_row, n) if mixed else np.full(n, per_row)
+        dst = np.repeat(np.arange(n), deg)
+        src = np.clip(dst + rng.integers(-spread, spread + 1, dst.size), 0, n - 1)
+        indptr = np.concatenate([[0], np.cumsum(deg)]).astype(np.int64)
         w = rng.standard_normal((dst.size, 1)).astype(np.float32)
         return [tvm.runtime.tensor(a, dev) for a in (indptr, src.astype(np.int32), w)]
 
@@ -203,8 +245,10 @@ def _measure_formats(fn, F: int, block: int, rows: int, seed: int) -> dict:
 
     g = graph(rows, 16)
     x, out = features(rows)
-    costs = {"csr_edge_ns": _median_time(fn[("csr", F)], (*g, x, out)) / (16 * rows) * 1e9}
     few, many = graph(rows, 4), graph(rows, 32)
+    costs = _row_formats(fn, F, [graph(rows, d, mixed=True) for d in (2, 32)], x, out, "")
+    big = [graph(GATHER_ROWS, d, spread=GATHER_ROWS, mixed=True) for d in (2, 12)]
+    costs.update(_row_formats(fn, F, big, *features(GATHER_ROWS), "_large"))
     for fmt in ("dense", "banded"):
         large = (int(np.sqrt(LARGE_LAYOUT_BYTES / 4)) if fmt == "dense"
                  else LARGE_LAYOUT_BYTES // (12 * block))

@@ -1,9 +1,9 @@
-"""Aggregation over the dense and banded adjacency formats (CPU loop nests).
+"""Aggregation over the dense, banded and ELL-bucket adjacency formats (CPU loop nests).
 
 CSR aggregation gathers one random source row per edge.  When the adjacency is
 dense enough, storing it as dense blocks and multiplying them with the feature
 rows is faster: every source row is loaded once per block of destination rows
-and used for all of them, and the loops have no indirection.  Two layouts
+and used for all of them, and the loops have no indirection.  Three layouts
 (``gcomp/runtime/formats.py`` chooses between them and CSR by a cost model):
 
 * ``dense``: A as an n x n matrix (small graphs of high density).
@@ -13,8 +13,12 @@ and used for all of them, and the loops have no indirection.  Two layouts
   batch of small graphs packed one after another (block diagonal).  B is chosen
   for each bound graph (its bandwidth, rounded up to a multiple of ``GROUP``) and
   read from the layout's shape.
+* ``ell``: ELL buckets (SparseTIR's hybrid format): rows grouped by degree, each
+  padded to the next power of two, so a row's slot loop has a fixed trip count
+  (``_ell_agg``).  Packed by ``formats.pack_ell`` (numpy, once per bound graph);
+  A.T gets its own layout from the CSC arrays.
 
-``format_pack`` writes a layout from the CSR arrays and the edge weights (ones
+``format_pack`` writes a dense or banded layout from the CSR arrays and the edge weights (ones
 for an unweighted aggregation); duplicate edges add up, as in the sum over
 edges.  ``format_agg`` computes ``out = epilogue(finish(A @ x))`` (or ``A.T @ x``
 with ``transpose``, the backward of aggregation) with the same reductions
@@ -23,8 +27,8 @@ in cache while the source rows stream past it.
 
 Arguments: pack: indptr (int64, n+1), indices (int32, nnz), [w (float32, nnz x 1)],
 layout (dense: n x n; banded: nb x 3 x B x B, nb = ceil(n / B), B a multiple of
-GROUP).  Aggregation: layout, indptr (n+1: the degrees of ``mean``), x (n x F),
-extras..., out (n x F).
+GROUP).  Aggregation: layout (ell: work, perm, cols, vals), indptr (n+1: the degrees
+of ``mean``), x (n x F), extras..., out (n x F).
 """
 
 from __future__ import annotations
@@ -35,11 +39,12 @@ from tvm.script.ir_builder import tirx as T
 
 from gcomp.codegen import epilogue as epi
 from gcomp.codegen.aggregate_kernel import _finish, arg
-from gcomp.codegen.cpu_kernels import _features, _if
+from gcomp.codegen.cpu_kernels import PREFETCH_DISTANCE, _features, _if, _prefetch
 from gcomp.codegen.kernels import definer
 
 ROWS = 16  # destination rows per block of the dense layout (their outputs stay in L1)
 GROUP = 8  # the banded format's block size is a multiple of this
+ELL_UNROLLED = 6  # ELL buckets 1..6 (widths 1..32) get their slot loop unrolled
 I64 = "int64"
 F32 = "float32"
 
@@ -101,6 +106,8 @@ def _group(F: int) -> int:
 @definer("format_agg", target="llvm")
 def format_agg(fmt: str, reduce: str, F: int, transpose: bool, epilogue: tuple = (),
                extras: tuple = ()):
+    if fmt == "ell":  # A.T has a layout of its own (packed from CSC): no transposed kernel
+        return _ell_agg(reduce, F, epilogue, extras)
     R = _group(F)
     with IRBuilder() as ib:
         with T.prim_func():
@@ -154,4 +161,62 @@ def format_agg(fmt: str, reduce: str, F: int, transpose: bool, epilogue: tuple =
                                                 lambda k: extra[k][epi.index(extras[k], i, f)])
                                 T.buffer_store(out, res, [i, f])
                             _features(F, store)
+    return ib.get()
+
+
+def _ell_agg(reduce: str, F: int, epilogue: tuple, extras: tuple):
+    """ELL buckets: the rows grouped by degree, bucket k >= 1 padding each row to 2^(k-1)
+    slots (bucket 0: rows without edges), so the slot loop of a row has a trip count
+    known at compile time (unrolled for the first buckets: the gathers of a row issue
+    together, no branch at the row's end).  ``work`` lists (bucket, first position, end
+    position, first slot) units of about equal slots, run in parallel; position p holds
+    row ``perm[p]``, its slots follow one another.  Padding slots have value 0 and repeat
+    a real neighbour of the row (already in cache)."""
+    with IRBuilder() as ib:
+        with T.prim_func():
+            T.func_name("ell_agg")
+            T.func_attr({"tirx.noalias": True})
+            n, m, P, S = (tirx.Var(name, I64) for name in ("n", "m", "P", "S"))
+            work = arg("work", (P, 4), I64)
+            perm = arg("perm", (n,), "int32")
+            cols = arg("cols", (S,), "int32")
+            vals = arg("vals", (S,), F32)
+            indptr = arg("indptr", (n + 1,), I64)
+            x = arg("x", (m, F), F32)
+            extra = [arg(f"e{k}", epi.shape(kind, n, F), F32) for k, kind in enumerate(extras)]
+            out = arg("out", (n, F), F32)
+            with T.parallel(0, P) as u:
+                k, p0, p1, s0 = (T.Bind(work[u, c]) for c in range(4))
+
+                def rows(width, unrolled: bool):
+                    with T.serial(0, p1 - p0) as r:
+                        i = T.Bind(tirx.Cast(I64, perm[p0 + r]))
+                        first = T.Bind(s0 + r * width)
+                        _features(F, lambda f: T.buffer_store(out, tirx.const(0.0, F32), [i, f]))
+
+                        def slot(t):
+                            _prefetch(x, cols[tirx.min(first + t + PREFETCH_DISTANCE, S - 1)], F)
+                            src = T.Bind(cols[first + t])
+                            a = T.Bind(vals[first + t])
+                            _features(F, lambda f: T.buffer_store(out, out[i, f] + a * x[src, f],
+                                                                  [i, f]))
+                        if unrolled:
+                            for t in range(width):
+                                slot(t)
+                        else:
+                            with T.serial(0, width) as t:
+                                slot(t)
+
+                        def finish(f):
+                            res = _finish(reduce, out[i, f], indptr[i + 1] - indptr[i])
+                            res = epi.apply(epilogue, res,
+                                            lambda q: extra[q][epi.index(extras[q], i, f)])
+                            T.buffer_store(out, res, [i, f])
+                        if reduce != "sum" or epilogue:
+                            _features(F, finish)
+                for b in range(ELL_UNROLLED + 1):
+                    with _if(k == b):
+                        rows(0 if b == 0 else 1 << (b - 1), True)
+                with _if(k > ELL_UNROLLED):
+                    rows(tirx.const(1, I64) << (k - 1), False)
     return ib.get()

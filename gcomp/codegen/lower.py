@@ -195,7 +195,7 @@ class _Lowering:
     def offer_formats(self, n: Node, g: Node, spec: KernelSpec, wview: list, step: dict,
                       transpose: bool) -> None:
         """Give an aggregation step (its args: graph arrays, weights, then x, extras, out)
-        the dense and banded kernels the runtime may run instead
+        the dense, banded and ELL kernels the runtime may run instead
         (``gcomp/runtime/formats.py``): for sum and mean with one weight per edge or none,
         run on every step (aggregations run once per graph or feed stay CSR)."""
         p = spec.p
@@ -207,10 +207,12 @@ class _Lowering:
         for fmt in self.formats:
             agg = KernelSpec.make("format_agg", fmt=fmt, reduce=p["reduce"], F=p["H"] * p["C"],
                                   transpose=transpose, **fused)
-            pack = KernelSpec.make("format_pack", fmt=fmt, weight=p["weight"])
             self.specs[agg.name] = agg
-            self.specs[pack.name] = pack
-            kernels[fmt], packs[fmt] = agg.name, pack.name
+            kernels[fmt] = agg.name
+            if fmt != "ell":  # packed by the runtime (formats.pack_ell)
+                pack = KernelSpec.make("format_pack", fmt=fmt, weight=p["weight"])
+                self.specs[pack.name] = pack
+                packs[fmt] = pack.name
         step["formats"] = {"graph": g.name, "weights": wview[0] if wview else None,
                            "width": p["H"] * p["C"], "transpose": transpose,
                            "kernels": kernels, "pack": packs,

@@ -53,6 +53,6 @@ def specialize(plan: Plan, graph: GraphData) -> dict:
             del s["formats"]
         else:
             f["kernels"] = {fmt: f["kernels"][fmt]}
-            f["pack"] = {fmt: f["pack"][fmt]}
+            f["pack"] = {k: v for k, v in f["pack"].items() if k == fmt}
     plan.specialized = record
     return record

@@ -159,14 +159,18 @@ def render(report: dict) -> str:
                      f"MiB vs cache {r['cache_bytes'] / 2**20:.0f} MiB; mean gather distance in "
                      f"rows: {dist}{'; ' + r['reason'] if 'reason' in r else ''})")
     if "format_costs" in report:
-        costs = "; ".join(f"{w} features: csr {c['csr_edge_ns']:.2f} ns/edge, dense "
-                          f"{c['dense_entry_ns']:.2f} ns/entry, banded {c['banded_entry_ns']:.2f}"
-                          f" ns/entry" for w, c in sorted(report["format_costs"].items(),
-                                                          key=lambda kv: int(kv[0])))
+        costs = "; ".join(f"{w} features: csr {c['csr_edge_ns']:.2f} ns/edge + "
+                          f"{c['csr_row_ns']:.2f} ns/row, ell {c['ell_slot_ns']:.2f} ns/slot + "
+                          f"{c['ell_row_ns']:.2f} ns/row, dense {c['dense_entry_ns']:.2f} "
+                          f"ns/entry, banded {c['banded_entry_ns']:.2f} ns/entry"
+                          for w, c in sorted(report["format_costs"].items(),
+                                             key=lambda kv: int(kv[0])))
         lines.append(f"adjacency format costs measured on the target: {costs}")
     for gname, f in report.get("formats", {}).items():
         est = ", ".join(f"{k} {v:.3f} ms" for k, v in f["cost_ms"].items())
         why = "".join(f"; no {k}: {v}" for k, v in f["why_not"].items())
+        if "ell_slots" in f:
+            why += "; ELL slots " + ", ".join(f"{k} {v:,}" for k, v in f["ell_slots"].items())
         if "banded_narrowest_ms" in f:
             why += (f"; banded in the narrowest band ({f['narrowest_block']}-row blocks) "
                     f"{f['banded_narrowest_ms']:.3f} ms")

@@ -113,6 +113,8 @@ def decide_layout(plan: Plan, graph: GraphData, features: dict | None = None,
         st = structures(g, order)
         sizes = {"N": g.num_nodes}
         sizes.update({f"E:{k}": v.num_edges for k, v in st.items()})
+        if use_formats:
+            sizes.update(fmts.ell_sizes(plan, st))
         return g, f, st, sizes, fmts.band_block(g.edge_index) if use_formats else 0
 
     steps = fmts.format_steps(plan)
@@ -285,7 +287,8 @@ class Executor:
         self._computed_variants(b, user_features, active, sparse)
         run = selected(self.plan.steps)
         run, layouts = self._in_formats(run, lay, graph_array, args_of)
-        b.memory["layout_bytes"] = sum(int(np.prod(t.shape)) * 4 for t in layouts)
+        b.memory["layout_bytes"] = sum(int(np.prod(t.shape)) * np.dtype(t.dtype).itemsize
+                                       for t in layouts)
         b.memory["total_bytes"] += b.memory["layout_bytes"]
         b.steps = [(self.functions[s["kernel"]], args) for s, args in run]
         b.plan_steps = [s for s, _ in run]
@@ -338,6 +341,13 @@ class Executor:
                 out.append((s, args))
                 continue
             wbuf = f["weights"]["buf"] if f["weights"] else None
+            if fmt == "ell":
+                key = (f["graph"], wbuf, fmt, f["transpose"])
+                if key not in layouts:
+                    layouts[key] = self._pack_ell(lay.structures[f["graph"]], f, args_of)
+                out.append(({**s, "kernel": f["kernels"][fmt]},
+                            layouts[key] + (args[0],) + tuple(args[f["tail"]:])))
+                continue
             key = (f["graph"], wbuf, fmt)
             if key not in layouts:
                 g = lay.structures[f["graph"]]
@@ -354,7 +364,19 @@ class Executor:
                     self.functions[pack["kernel"]](*pack_args)
             out.append(({**s, "kernel": f["kernels"][fmt]},
                         (layouts[key], args[0]) + tuple(args[f["tail"]:])))
-        return out, list(layouts.values())
+        return out, [t for v in layouts.values() for t in (v if isinstance(v, tuple) else (v,))]
+
+    def _pack_ell(self, st: GraphStructure, f: dict, args_of) -> tuple:
+        """The ELL layout of a graph value's A (or A.T: from the CSC arrays, the weights
+        permuted into CSC order), from weights fixed for the bound graph."""
+        w = args_of({"args": [f["weights"]]})[0].numpy().reshape(-1) if f["weights"] else None
+        if f["transpose"]:
+            eid = st.array("csc_eid")
+            arrays = fmts.pack_ell(st.array("csc_indptr"), st.array("csc_indices"),
+                                   w[eid] if w is not None else None)
+        else:
+            arrays = fmts.pack_ell(st.indptr, st.indices, w)
+        return tuple(tvm.runtime.tensor(a, self.device) for a in arrays)
 
     # hooks for runtimes that shard the graph (gcomp/distributed/halo.py overrides them)
     def _structures(self, graph: GraphData, order) -> dict[str, GraphStructure]:

@@ -4,9 +4,14 @@ Aggregation steps that the compiler gave dense and banded kernels
 (``step["formats"]``, ``gcomp/codegen/format_kernels.py``) run in the format the
 model predicts fastest for the bound graph:
 
-* ``csr``: one gathered source row per edge; cost ``edges x c_csr``.
+* ``csr``: one gathered source row per edge; cost ``edges x c_csr_edge + n x c_csr_row``
+  (costs in cache, or ``_large`` when the features exceed ``GATHER_CACHE_BYTES``).
 * ``dense``: A as an n x n matrix; cost ``n^2 x c_dense``.  Only while the
   matrix takes at most ``DENSE_MAX_BYTES``.
+* ``ell``: ELL buckets by degree (``format_kernels._ell_agg``); cost
+  ``slots x c_ell_slot + n x c_ell_row``, the slots being each row's degree rounded up to a
+  power of two.  A and A.T have a layout each, packed once per bound graph
+  (``pack_ell``), so only for weights fixed for the graph.
 * ``banded``: block tridiagonal in blocks of B rows; cost ``n x 3B x c_band``.
   B is the graph's bandwidth (the largest |src - dst|) rounded up to a multiple
   of 8, so every edge joins rows at most one block apart; while the band takes
@@ -33,11 +38,16 @@ import scipy.sparse as sp
 from gcomp.errors import InputError
 from gcomp.runtime.reorder import CACHE_BYTES
 
-FORMATS = ("csr", "dense", "banded")
+FORMATS = ("csr", "dense", "banded", "ell")
 MODES = ("auto",) + FORMATS
 DENSE_MAX_BYTES = 256 << 20
 BAND_MAX_BYTES = 1 << 30
 GROUP = 8  # block sizes are multiples of the kernels' row group (format_kernels.GROUP)
+ELL_MAX_BYTES = 1 << 30
+MARGIN = 0.9  # another format must be predicted this much faster than CSR: the per-unit
+# costs are measured on a shared machine, to about that precision
+GATHER_CACHE_BYTES = 1 << 20  # a core's own cache (L2) on the machines gcomp was tuned on
+ELL_PARTS = 256  # parallel units of about equal slots (format_kernels._ell_agg)
 
 
 def _round_up(v: int) -> int:
@@ -69,6 +79,71 @@ def layout_shape(fmt: str, n: int, block: int) -> tuple:
     return (n, n) if fmt == "dense" else ((n + block - 1) // block, 3, block, block)
 
 
+def ell_buckets(indptr: np.ndarray) -> np.ndarray:
+    """The ELL bucket of each row: 0 without edges, else k >= 1 with 2^(k-2) < degree
+    <= 2^(k-1), the row padded to 2^(k-1) slots."""
+    deg = np.diff(indptr)
+    _, bits = np.frexp((deg - 1).clip(0).astype(np.float64))  # bit length of degree - 1
+    return np.where(deg > 0, bits + 1, 0).astype(np.int64)
+
+
+def ell_slots(indptr: np.ndarray) -> int:
+    """Slots of the ELL layout of a CSR (or CSC) graph: each row's degree rounded up to a
+    power of two."""
+    k = ell_buckets(indptr)
+    return int(np.where(k > 0, np.left_shift(1, (k - 1).clip(0)), 0).sum())
+
+
+def pack_ell(indptr: np.ndarray, indices: np.ndarray, w: np.ndarray | None,
+             parts: int = ELL_PARTS) -> tuple[np.ndarray, ...]:
+    """(work, perm, cols, vals): the ELL-bucket layout ``format_kernels._ell_agg`` reads,
+    from CSR (or, for A.T, CSC) arrays and one weight per edge in that order (None: ones).
+    Rows are ordered by bucket (stable); a padding slot repeats the row's last
+    neighbour with value 0.  ``work`` cuts each bucket into units of about
+    slots / ``parts`` slots: (bucket, first position, end position, first slot)."""
+    n = indptr.shape[0] - 1
+    bucket = ell_buckets(indptr)
+    width = np.where(bucket > 0, np.left_shift(1, (bucket - 1).clip(0)), 0)
+    perm = np.argsort(bucket, kind="stable")
+    pw = width[perm]
+    start = np.zeros(n + 1, np.int64)
+    np.cumsum(pw, out=start[1:])
+    slots = int(start[-1])
+    pos = np.repeat(np.arange(n), pw)  # the position of each slot
+    t = np.arange(slots) - start[pos]
+    row = perm[pos]
+    deg = indptr[row + 1] - indptr[row]
+    edge = indptr[row] + np.minimum(t, deg - 1)
+    cols = indices[edge].astype(np.int32)
+    vals = (w.reshape(-1)[edge] if w is not None else np.ones(slots, np.float32))
+    vals = np.where(t < deg, vals, 0).astype(np.float32)
+    goal = max(slots // parts, 64)
+    work = []
+    for k in np.unique(bucket):
+        first, end = np.searchsorted(bucket[perm], [k, k + 1])
+        per = max(1, goal // max(int(width[perm[first]]), 1)) if k > 0 else max(1, n // parts)
+        for p0 in range(int(first), int(end), per):
+            work.append((int(k), p0, min(p0 + per, int(end)), int(start[p0])))
+    work = np.array(work, np.int64).reshape(-1, 4)
+    return work, perm.astype(np.int32), cols, vals
+
+
+def ell_sizes(plan, structures: dict) -> dict[str, int]:
+    """The slots of the ELL layouts the plan's ELL-offering steps would read, by graph
+    value and direction (``choose`` reads them from the sizes)."""
+    sizes = {}
+    for gname, steps in format_steps(plan).items():
+        if "ell" not in steps[0]["formats"]["kernels"]:
+            continue
+        st = structures[gname]
+        for s in steps:
+            if s["formats"]["transpose"]:
+                sizes[f"ELL:{gname}:transposed"] = ell_slots(st.array("csc_indptr"))
+            else:
+                sizes[f"ELL:{gname}:forward"] = ell_slots(st.indptr)
+    return sizes
+
+
 def format_steps(plan) -> dict[str, list[dict]]:
     """Run steps offering other formats, by the graph value they aggregate over."""
     by_graph: dict[str, list[dict]] = {}
@@ -79,11 +154,12 @@ def format_steps(plan) -> dict[str, list[dict]]:
 
 
 def dynamic_weights(plan) -> set[str]:
-    """Buffers a run step writes (its last argument), or views of them: weights there
-    change every run."""
+    """Buffers a run or feed step writes (its last argument), or views of them: weights
+    there change every run (or every feed), not once per bound graph."""
     def root(b):
         return plan.buffers.get(b, {}).get("alias", b)
-    written = {root(s["args"][-1]["buf"]) for s in plan.steps if "buf" in s["args"][-1]}
+    written = {root(s["args"][-1]["buf"]) for s in plan.steps + plan.feed_steps
+               if "buf" in s["args"][-1]}
     return {b for b in plan.buffers if root(b) in written}
 
 
@@ -96,18 +172,29 @@ def _costs(plan, width: int) -> dict:
 
 
 def estimate(plan, steps: list[dict], n: int, edges: int, fmt: str, block: int,
-             dynamic: set[str]) -> float:
-    """Predicted ms per run of ``steps`` (over one graph value) in ``fmt``."""
+             dynamic: set[str], ell: dict | None = None) -> float:
+    """Predicted ms per run of ``steps`` (over one graph value) in ``fmt``; ``ell``: the
+    slots of the ELL layouts of A (``forward``) and A.T (``transposed``)."""
     total = 0.0
+    if fmt in ("csr", "ell"):  # per edge (ELL: slot, padding included) and per row
+        for s in steps:
+            width = s["formats"]["width"]
+            c = _costs(plan, width)
+            # gathers from features beyond a core's own cache miss it
+            size = "_large" if n * width * 4 > GATHER_CACHE_BYTES else ""
+            units = edges if fmt == "csr" else \
+                ell["transposed" if s["formats"]["transpose"] else "forward"]
+            unit = "edge" if fmt == "csr" else "slot"
+            # plans compiled before the row and large costs were measured lack them
+            total += (units * c.get(f"{fmt}_{unit}_ns{size}", c[f"{fmt}_{unit}_ns"]) +
+                      n * c.get(f"{fmt}_row_ns{size}", c.get(f"{fmt}_row_ns", 0.0)))
+        return total * 1e-6
     packed = set()
     entries = n * n if fmt == "dense" else layout_shape(fmt, n, block)[0] * 3 * block * block
     # streamed from memory: the layout shares the cache with the features it multiplies
     size = "_large" if entries * 4 > CACHE_BYTES // 4 else ""
     for s in steps:
         c = _costs(plan, s["formats"]["width"])
-        if fmt == "csr":
-            total += edges * c["csr_edge_ns"]
-            continue
         total += entries * c[f"{fmt}_entry_ns{size}"]
         w = s["formats"]["weights"]
         if w is not None and w["buf"] in dynamic and w["buf"] not in packed:
@@ -116,8 +203,10 @@ def estimate(plan, steps: list[dict], n: int, edges: int, fmt: str, block: int,
     return total * 1e-6
 
 
-def feasible(fmt: str, n: int, block: int) -> str | None:
+def feasible(fmt: str, n: int, block: int, ell: dict | None = None) -> str | None:
     """None when ``fmt`` can hold the graph in memory, else why not."""
+    if fmt == "ell" and ell is not None and sum(ell.values()) * 8 > ELL_MAX_BYTES:
+        return f"ELL layouts of {sum(ell.values()):,} slots exceed {ELL_MAX_BYTES >> 20} MiB"
     if fmt == "dense" and n * n * 4 > DENSE_MAX_BYTES:
         return f"a dense matrix of {n}^2 floats exceeds {DENSE_MAX_BYTES >> 20} MiB"
     if fmt == "banded" and n * 3 * block * 4 > BAND_MAX_BYTES:
@@ -127,7 +216,8 @@ def feasible(fmt: str, n: int, block: int) -> str | None:
 
 def choose(plan, sizes: dict[str, int], block: int, narrowest: int | None = None,
            mode: str = "auto") -> tuple[dict, dict]:
-    """({graph value: format}, report) for a graph of ``sizes`` (``N``, ``E:<graph>``)
+    """({graph value: format}, report) for a graph of ``sizes`` (``N``, ``E:<graph>``,
+    ``ELL:<graph>:forward`` / ``:transposed`` when ELL is offered: ``ell_sizes``)
     whose band in the current order needs blocks of ``block`` rows; ``narrowest``: the
     block no order can beat, to predict whether reordering into a band would pay."""
     if mode not in MODES:
@@ -139,10 +229,19 @@ def choose(plan, sizes: dict[str, int], block: int, narrowest: int | None = None
         edges = sizes[f"E:{gname}"]
         offered = ["csr"] + [f for f in FORMATS[1:] if f in steps[0]["formats"]["kernels"]]
         entry = {"steps": len(steps), "block": block, "cost_ms": {}, "why_not": {}}
+        ell = None
+        if "ell" in offered:
+            ell = {d: sizes[f"ELL:{gname}:{d}"] for d in ("forward", "transposed")
+                   if f"ELL:{gname}:{d}" in sizes}
+            entry["ell_slots"] = ell
         for fmt in offered:
-            why = feasible(fmt, n, block)
+            why = feasible(fmt, n, block, ell)
+            if fmt == "ell" and any(s["formats"]["weights"] is not None and
+                                    s["formats"]["weights"]["buf"] in dynamic for s in steps):
+                why = "its edge weights change every run (ELL is packed once per bound graph)"
             if why is None:
-                entry["cost_ms"][fmt] = estimate(plan, steps, n, edges, fmt, block, dynamic)
+                entry["cost_ms"][fmt] = estimate(plan, steps, n, edges, fmt, block, dynamic,
+                                                 ell)
             else:
                 entry["why_not"][fmt] = why
         if "banded" in offered and narrowest is not None and narrowest < block \
@@ -152,6 +251,8 @@ def choose(plan, sizes: dict[str, int], block: int, narrowest: int | None = None
                                                     dynamic)
         if mode == "auto":
             fmt = min(entry["cost_ms"], key=entry["cost_ms"].get)
+            if fmt != "csr" and entry["cost_ms"][fmt] > MARGIN * entry["cost_ms"]["csr"]:
+                fmt = "csr"
         else:
             if mode not in offered:
                 raise InputError(f"format {mode!r} is not compiled into this plan "
