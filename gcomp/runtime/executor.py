@@ -114,7 +114,7 @@ def decide_layout(plan: Plan, graph: GraphData, features: dict | None = None,
         sizes = {"N": g.num_nodes}
         sizes.update({f"E:{k}": v.num_edges for k, v in st.items()})
         if use_formats:
-            sizes.update(fmts.ell_sizes(plan, st))
+            sizes.update(fmts.graph_sizes(plan, st))
         return g, f, st, sizes, fmts.band_block(g.edge_index) if use_formats else 0
 
     steps = fmts.format_steps(plan)

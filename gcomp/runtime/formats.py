@@ -5,7 +5,8 @@ Aggregation steps that the compiler gave dense and banded kernels
 model predicts fastest for the bound graph:
 
 * ``csr``: one gathered source row per edge; cost ``edges x c_csr_edge + n x c_csr_row``
-  (costs in cache, or ``_large`` when the features exceed ``GATHER_CACHE_BYTES``).
+  (costs in cache, or ``_large`` when the feature rows an edge's gather reaches, twice the
+  mean distance between its ends, exceed ``GATHER_CACHE_BYTES``).
 * ``dense``: A as an n x n matrix; cost ``n^2 x c_dense``.  Only while the
   matrix takes at most ``DENSE_MAX_BYTES``.
 * ``ell``: ELL buckets by degree (``format_kernels._ell_agg``); cost
@@ -44,8 +45,9 @@ DENSE_MAX_BYTES = 256 << 20
 BAND_MAX_BYTES = 1 << 30
 GROUP = 8  # block sizes are multiples of the kernels' row group (format_kernels.GROUP)
 ELL_MAX_BYTES = 1 << 30
-MARGIN = 0.9  # another format must be predicted this much faster than CSR: the per-unit
-# costs are measured on a shared machine, to about that precision
+MARGIN = 0.8  # another format must be predicted this much faster than CSR: the per-unit
+# costs come from a shared machine and from graphs other than the one bound (ELL's padded
+# slots, measured 13% cheaper than CSR on batched molecules, ran 20% slower)
 GATHER_CACHE_BYTES = 1 << 20  # a core's own cache (L2) on the machines gcomp was tuned on
 ELL_PARTS = 256  # parallel units of about equal slots (format_kernels._ell_agg)
 
@@ -128,14 +130,18 @@ def pack_ell(indptr: np.ndarray, indices: np.ndarray, w: np.ndarray | None,
     return work, perm.astype(np.int32), cols, vals
 
 
-def ell_sizes(plan, structures: dict) -> dict[str, int]:
-    """The slots of the ELL layouts the plan's ELL-offering steps would read, by graph
-    value and direction (``choose`` reads them from the sizes)."""
+def graph_sizes(plan, structures: dict) -> dict[str, int]:
+    """What the cost model reads of each graph value besides its edges: the mean distance
+    in rows between an edge's ends (``GAP:<graph>``: how far its gathers reach), and the
+    slots of the ELL layouts its ELL-offering steps would read, by direction
+    (``ELL:<graph>:forward`` / ``:transposed``)."""
     sizes = {}
     for gname, steps in format_steps(plan).items():
+        st = structures[gname]
+        sizes[f"GAP:{gname}"] = int(np.abs(st.rows.astype(np.int64) - st.indices).mean()) \
+            if st.num_edges else 0
         if "ell" not in steps[0]["formats"]["kernels"]:
             continue
-        st = structures[gname]
         for s in steps:
             if s["formats"]["transpose"]:
                 sizes[f"ELL:{gname}:transposed"] = ell_slots(st.array("csc_indptr"))
@@ -172,16 +178,18 @@ def _costs(plan, width: int) -> dict:
 
 
 def estimate(plan, steps: list[dict], n: int, edges: int, fmt: str, block: int,
-             dynamic: set[str], ell: dict | None = None) -> float:
+             dynamic: set[str], ell: dict | None = None, gap: int | None = None) -> float:
     """Predicted ms per run of ``steps`` (over one graph value) in ``fmt``; ``ell``: the
-    slots of the ELL layouts of A (``forward``) and A.T (``transposed``)."""
+    slots of the ELL layouts of A (``forward``) and A.T (``transposed``); ``gap``: the
+    mean distance in rows between an edge's ends (None: as far as the graph allows)."""
     total = 0.0
     if fmt in ("csr", "ell"):  # per edge (ELL: slot, padding included) and per row
         for s in steps:
             width = s["formats"]["width"]
             c = _costs(plan, width)
-            # gathers from features beyond a core's own cache miss it
-            size = "_large" if n * width * 4 > GATHER_CACHE_BYTES else ""
+            # gathers miss a core's own cache when the rows they reach do not fit in it
+            reach = n if gap is None else min(n, 2 * gap + 1)
+            size = "_large" if reach * width * 4 > GATHER_CACHE_BYTES else ""
             units = edges if fmt == "csr" else \
                 ell["transposed" if s["formats"]["transpose"] else "forward"]
             unit = "edge" if fmt == "csr" else "slot"
@@ -217,7 +225,7 @@ def feasible(fmt: str, n: int, block: int, ell: dict | None = None) -> str | Non
 def choose(plan, sizes: dict[str, int], block: int, narrowest: int | None = None,
            mode: str = "auto") -> tuple[dict, dict]:
     """({graph value: format}, report) for a graph of ``sizes`` (``N``, ``E:<graph>``,
-    ``ELL:<graph>:forward`` / ``:transposed`` when ELL is offered: ``ell_sizes``)
+    ``GAP:<graph>``, ``ELL:<graph>:forward`` / ``:transposed``: ``graph_sizes``)
     whose band in the current order needs blocks of ``block`` rows; ``narrowest``: the
     block no order can beat, to predict whether reordering into a band would pay."""
     if mode not in MODES:
@@ -241,7 +249,7 @@ def choose(plan, sizes: dict[str, int], block: int, narrowest: int | None = None
                 why = "its edge weights change every run (ELL is packed once per bound graph)"
             if why is None:
                 entry["cost_ms"][fmt] = estimate(plan, steps, n, edges, fmt, block, dynamic,
-                                                 ell)
+                                                 ell, sizes.get(f"GAP:{gname}"))
             else:
                 entry["why_not"][fmt] = why
         if "banded" in offered and narrowest is not None and narrowest < block \
