@@ -54,6 +54,13 @@ class Binding:
     choices: tuple = ()  # the executor's reorder, formats and forced variants when bound
 
 
+def _aligned_bytes(nbytes: int, align: int = 4096) -> np.ndarray:
+    """A uint8 array of ``nbytes`` starting on an ``align``-byte boundary."""
+    raw = np.empty(nbytes + align, np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start:start + nbytes]
+
+
 def _rows(a, order):
     return a[order] if a is not None and hasattr(a, "shape") and len(a.shape) >= 1 else a
 
@@ -221,14 +228,26 @@ class Executor:
         sizes.update({f"NNZ:{v['input']}": 0 for v in self.plan.variants.values()
                       if v["input"] not in sparse})
         buffers: dict[str, object] = dict(self.store)
-        memory = plan_memory(self.plan, sizes, self.store)
-        slots = [tvm.runtime.empty(((nb + 7) // 8,), "int64", self.device)
-                 for nb in memory.slot_bytes]
+        on_cpu = self.device.dlpack_device_type() == tvm.cpu().dlpack_device_type()
+        # slots carved out of a larger one are views at an offset, which the kernels take
+        # only as tensors of their own (byte_offset 0): numpy views, on the CPU
+        memory = plan_memory(self.plan, sizes, self.store, carve=on_cpu)
+        if on_cpu:
+            storage = [_aligned_bytes(nb) for nb in memory.storage_bytes]
+        else:
+            storage = [tvm.runtime.empty(((nb + 7) // 8,), "int64", self.device)
+                       for nb in memory.storage_bytes]
         for name, b in self.plan.buffers.items():  # roots first, then views of them
             if name not in buffers and "alias" not in b:
                 shape = _resolve(b["dims"], sizes)
                 if name in memory.slots:  # shares storage with buffers it never overlaps
-                    buffers[name] = slots[memory.slots[name]]._create_view(shape, b["dtype"])
+                    st, offset = memory.slot_at[memory.slots[name]]
+                    if on_cpu:
+                        size = int(np.prod(shape)) * np.dtype(b["dtype"]).itemsize
+                        view = storage[st][offset:offset + size].view(b["dtype"]).reshape(shape)
+                        buffers[name] = tvm_ffi.from_dlpack(view)
+                    else:
+                        buffers[name] = storage[st]._create_view(shape, b["dtype"])
                 else:
                     buffers[name] = tvm.runtime.empty(shape, b["dtype"], self.device)
         for name, b in self.plan.buffers.items():
