@@ -37,10 +37,10 @@ PROTOCOL = 2  # of the measurements kept on disk: bump when what they measure or
 MARGIN = 0.9
 
 
-def _median_time(fn, args, reps: int = 5, span_s: float = 0.0) -> float:
-    """Median of ``reps`` timed calls, or of as many more as fill ``span_s``: a kernel of
-    microseconds timed within one scheduler time slice would read all slow when another
-    process holds a core for that slice."""
+def _median_time(fn, args, reps: int = 5, span_s: float = 0.0, q: float = 50) -> float:
+    """Percentile ``q`` (the median) of ``reps`` timed calls, or of as many more as fill
+    ``span_s``: a kernel of microseconds timed within one scheduler time slice would read
+    all slow when another process holds a core for that slice."""
     fn(*args)
     ts = []
     end = time.perf_counter() + span_s
@@ -48,7 +48,7 @@ def _median_time(fn, args, reps: int = 5, span_s: float = 0.0) -> float:
         t = time.perf_counter()
         fn(*args)
         ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
+    return float(np.percentile(ts, q))
 
 
 def _machine() -> list:
@@ -143,7 +143,7 @@ def _measure_sparse(lib, specs: dict, K: int, M: int, training: bool, rows: int,
 
 _FORMAT_COSTS: dict = {}  # (target, width) -> costs; measuring takes a few seconds
 LARGE_LAYOUT_BYTES = 64 << 20  # twice the last-level cache gcomp was tuned on
-GATHER_ROWS = 1 << 18  # rows of the graph whose random gathers miss the cache (CSR, ELL)
+GATHER_ROWS = 1 << 18  # at most, rows of the graph whose random gathers miss the cache
 
 
 def calibrate_formats(widths, target: dict, block: int = 32, rows: int = 2048,
@@ -160,8 +160,10 @@ def calibrate_formats(widths, target: dict, block: int = 32, rows: int = 2048,
     per node, whose difference gives the per-edge part.  CSR and ELL are fitted (per edge
     or slot, per row) to two such graphs of 2 and 32 in-edges per node on average, of
     mixed degrees (ELL rows then fall in several buckets, out of order), and (``_large``)
-    to two of ``GATHER_ROWS`` nodes with random neighbours, 2 and 12 in-edges per node:
-    gathers and ELL's out-of-order stores that miss the cache."""
+    to two with random neighbours, 2 and 8 in-edges per node, of features of
+    ``LARGE_LAYOUT_BYTES`` (at most ``GATHER_ROWS`` rows): gathers and ELL's out-of-order
+    stores that miss the cache.  A low percentile of many calls: other processes only
+    ever make a call slower."""
     import tvm
 
     from gcomp.codegen.build import build_library
@@ -200,8 +202,9 @@ def _row_formats(fn, F: int, graphs: list, x, out, suffix: str) -> dict:
     import tvm
 
     from gcomp.runtime.formats import ell_slots, pack_ell
-    reps = 7 if suffix else 15  # the difference of two times: noise counts double
-    span = 0.05
+    # the difference of two times, so noise counts double: many calls over 0.2 s, and a
+    # low percentile, since other processes only ever make a call slower
+    reps, span, q = (5, 0.1, 10) if suffix else (15, 0.05, 10)
     costs = {}
     for fmt in ("csr", "ell"):
         units, times = [], []
@@ -210,10 +213,10 @@ def _row_formats(fn, F: int, graphs: list, x, out, suffix: str) -> dict:
             if fmt == "ell":
                 lay = [tvm.runtime.tensor(a, x.device) for a in pack_ell(
                     indptr, g[1].numpy(), g[2].numpy())]
-                times.append(_median_time(fn[("ell", F)], (*lay, g[0], x, out), reps, span))
+                times.append(_median_time(fn[("ell", F)], (*lay, g[0], x, out), reps, span, q))
                 units.append(ell_slots(indptr))
             else:
-                times.append(_median_time(fn[("csr", F)], (*g, x, out), reps, span))
+                times.append(_median_time(fn[("csr", F)], (*g, x, out), reps, span, q))
                 units.append(int(indptr[-1]))
         rows = graphs[0][0].shape[0] - 1
         per_unit = max(times[1] - times[0], 0.0) / (units[1] - units[0])
@@ -247,8 +250,9 @@ def _measure_formats(fn, F: int, block: int, rows: int, seed: int) -> dict:
     x, out = features(rows)
     few, many = graph(rows, 4), graph(rows, 32)
     costs = _row_formats(fn, F, [graph(rows, d, mixed=True) for d in (2, 32)], x, out, "")
-    big = [graph(GATHER_ROWS, d, spread=GATHER_ROWS, mixed=True) for d in (2, 12)]
-    costs.update(_row_formats(fn, F, big, *features(GATHER_ROWS), "_large"))
+    n = int(np.clip(LARGE_LAYOUT_BYTES // (4 * F), 1 << 14, GATHER_ROWS))
+    big = [graph(n, d, spread=n, mixed=True) for d in (2, 8)]
+    costs.update(_row_formats(fn, F, big, *features(n), "_large"))
     for fmt in ("dense", "banded"):
         large = (int(np.sqrt(LARGE_LAYOUT_BYTES / 4)) if fmt == "dense"
                  else LARGE_LAYOUT_BYTES // (12 * block))
