@@ -325,12 +325,12 @@ def test_cost_model_picks_the_cheapest_feasible_format():
 
 def test_cost_model_weighs_ell_slots_and_rows():
     """ELL costs slots (degrees rounded up to powers of two) x c_slot + rows x c_row, and
-    must beat CSR by the margin to be chosen."""
+    must beat CSR by the margin and by ELL_MIN_GAIN_MS per run to be chosen."""
     g = band_graph(n=256, edges=4000, reach=12, shuffle=False)
-    plan = _plan_with_costs(1.0, 10.0, 10.0)
+    plan = _plan_with_costs(100.0, 1000.0, 1000.0)  # per run: tenths of a millisecond
     steps = fmts.format_steps(plan).popitem()[1]
     for c in plan.formats["costs"].values():
-        c.update(ell_slot_ns=0.3, ell_row_ns=2.0)
+        c.update(ell_slot_ns=30.0, ell_row_ns=200.0)
     (entry,) = decide_layout(plan, g).formats.values()
     slots = entry["ell_slots"]
     assert set(slots) == {"forward"}  # inference: no aggregation over A.T
@@ -338,10 +338,13 @@ def test_cost_model_weighs_ell_slots_and_rows():
     csr_edges = lay.structures["edge_index"].num_edges
     assert slots["forward"] == fmts.ell_slots(lay.structures["edge_index"].indptr) > csr_edges
     assert entry["cost_ms"]["ell"] == pytest.approx(
-        len(steps) * (slots["forward"] * 0.3 + 256 * 2.0) * 1e-6)
+        len(steps) * (slots["forward"] * 30.0 + 256 * 200.0) * 1e-6)
     assert entry["chosen"] == "ell"
     for c in plan.formats["costs"].values():  # predicted 5% faster: within the margin
-        c.update(ell_slot_ns=0.95 * csr_edges / slots["forward"], ell_row_ns=0.0)
+        c.update(ell_slot_ns=95.0 * csr_edges / slots["forward"], ell_row_ns=0.0)
+    assert list(decide_layout(plan, g).chosen.values()) == ["csr"]
+    for c in plan.formats["costs"].values():  # 70% faster, but by less than 0.1 ms a run
+        c.update(csr_edge_ns=1.0, ell_slot_ns=0.3 * csr_edges / slots["forward"])
     assert list(decide_layout(plan, g).chosen.values()) == ["csr"]
 
 
