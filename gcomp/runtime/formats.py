@@ -1,8 +1,9 @@
 """The adjacency format of each graph value, chosen by a cost model when a graph is bound.
 
-Aggregation steps that the compiler gave dense and banded kernels
+Aggregation steps that the compiler gave dense, banded and ELL kernels
 (``step["formats"]``, ``gcomp/codegen/format_kernels.py``) run in the format the
-model predicts fastest for the bound graph:
+model predicts fastest for the bound graph, if it beats CSR by ``MARGIN`` (and ELL by
+``ELL_MIN_GAIN_MS`` per run):
 
 * ``csr``: one gathered source row per edge; cost ``edges x c_csr_edge + n x c_csr_row``
   (costs in cache, or ``_large`` when the feature rows an edge's gather reaches, twice the
@@ -28,7 +29,7 @@ format's layout is packed from the CSR arrays and the edge weights once per boun
 graph when the weights are fixed for it (no weights, or weights computed when
 binding, like GCN's normalization); weights computed on every run are packed on
 every run, and the model adds that cost.  One format serves every
-step over a graph value (forward and backward share the packed layout).
+step over a graph value (dense and banded forward and backward share the packed layout).
 """
 
 from __future__ import annotations
