@@ -175,9 +175,9 @@ def calibrate_formats(widths, target: dict, block: int = 32, rows: int = 2048,
     if todo:
         specs = {("csr", F): KernelSpec.make("csr_agg", reduce="sum", H=1, C=F, weight="edge")
                  for F in todo}
+        for fmt in ("dense", "banded"):  # ELL is packed by numpy (formats.pack_ell)
+            specs[("pack", fmt)] = KernelSpec.make("format_pack", fmt=fmt, weight="edge")
         for fmt in ("dense", "banded", "ell"):
-            if fmt != "ell":
-                specs[("pack", fmt)] = KernelSpec.make("format_pack", fmt=fmt, weight="edge")
             for F in todo:
                 specs[(fmt, F)] = KernelSpec.make("format_agg", fmt=fmt, reduce="sum", F=F,
                                                   transpose=False)
@@ -201,7 +201,7 @@ def _row_formats(fn, F: int, graphs: list, x, out, suffix: str) -> dict:
     different degrees."""
     import tvm
 
-    from gcomp.runtime.formats import ell_slots, pack_ell
+    from gcomp.runtime.formats import pack_ell
     # the difference of two times, so noise counts double: many calls over 0.2 s, and a
     # low percentile, since other processes only ever make a call slower
     reps, span, q = (5, 0.1, 10) if suffix else (15, 0.05, 10)
@@ -211,10 +211,10 @@ def _row_formats(fn, F: int, graphs: list, x, out, suffix: str) -> dict:
         for g in graphs:
             indptr = g[0].numpy()
             if fmt == "ell":
-                lay = [tvm.runtime.tensor(a, x.device) for a in pack_ell(
-                    indptr, g[1].numpy(), g[2].numpy())]
+                layout = pack_ell(indptr, g[1].numpy(), g[2].numpy())
+                lay = [tvm.runtime.tensor(a, x.device) for a in layout]
                 times.append(_median_time(fn[("ell", F)], (*lay, g[0], x, out), reps, span, q))
-                units.append(ell_slots(indptr))
+                units.append(layout[2].size)  # cols: one per slot
             else:
                 times.append(_median_time(fn[("csr", F)], (*g, x, out), reps, span, q))
                 units.append(int(indptr[-1]))

@@ -155,6 +155,7 @@ class Executor:
         self.plan = plan
         self.lib = lib
         self.device = device or tvm.cpu()
+        self.on_cpu = self.device.dlpack_device_type() == tvm.cpu().dlpack_device_type()
         self.functions = {}
         for k in plan.kernels():
             try:
@@ -228,11 +229,10 @@ class Executor:
         sizes.update({f"NNZ:{v['input']}": 0 for v in self.plan.variants.values()
                       if v["input"] not in sparse})
         buffers: dict[str, object] = dict(self.store)
-        on_cpu = self.device.dlpack_device_type() == tvm.cpu().dlpack_device_type()
         # slots carved out of a larger one are views at an offset, which the kernels take
         # only as tensors of their own (byte_offset 0): numpy views, on the CPU
-        memory = plan_memory(self.plan, sizes, self.store, carve=on_cpu)
-        if on_cpu:
+        memory = plan_memory(self.plan, sizes, self.store, carve=self.on_cpu)
+        if self.on_cpu:
             storage = [_aligned_bytes(nb) for nb in memory.storage_bytes]
         else:
             storage = [tvm.runtime.empty(((nb + 7) // 8,), "int64", self.device)
@@ -242,7 +242,7 @@ class Executor:
                 shape = _resolve(b["dims"], sizes)
                 if name in memory.slots:  # shares storage with buffers it never overlaps
                     st, offset = memory.slot_at[memory.slots[name]]
-                    if on_cpu:
+                    if self.on_cpu:
                         size = int(np.prod(shape)) * np.dtype(b["dtype"]).itemsize
                         view = storage[st][offset:offset + size].view(b["dtype"]).reshape(shape)
                         buffers[name] = tvm_ffi.from_dlpack(view)
@@ -418,7 +418,7 @@ class Executor:
     def _launchable(self, args) -> bool:
         """False for a GPU kernel whose output (its last argument) is empty: its grid would
         have no blocks, which CUDA refuses (a graph without edges has empty edge tensors)."""
-        if self.device.dlpack_device_type() == tvm.cpu().dlpack_device_type() or not args:
+        if self.on_cpu or not args:
             return True
         shape = getattr(args[-1], "shape", None)
         return shape is None or all(int(d) > 0 for d in shape)

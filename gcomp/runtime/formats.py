@@ -93,11 +93,15 @@ def ell_buckets(indptr: np.ndarray) -> np.ndarray:
     return np.where(deg > 0, bits + 1, 0).astype(np.int64)
 
 
+def ell_widths(bucket: np.ndarray) -> np.ndarray:
+    """The slots of each row in ELL bucket ``bucket`` (``ell_buckets``)."""
+    return np.where(bucket > 0, np.left_shift(1, (bucket - 1).clip(0)), 0)
+
+
 def ell_slots(indptr: np.ndarray) -> int:
     """Slots of the ELL layout of a CSR (or CSC) graph: each row's degree rounded up to a
     power of two."""
-    k = ell_buckets(indptr)
-    return int(np.where(k > 0, np.left_shift(1, (k - 1).clip(0)), 0).sum())
+    return int(ell_widths(ell_buckets(indptr)).sum())
 
 
 def pack_ell(indptr: np.ndarray, indices: np.ndarray, w: np.ndarray | None,
@@ -109,7 +113,7 @@ def pack_ell(indptr: np.ndarray, indices: np.ndarray, w: np.ndarray | None,
     slots / ``parts`` slots: (bucket, first position, end position, first slot)."""
     n = indptr.shape[0] - 1
     bucket = ell_buckets(indptr)
-    width = np.where(bucket > 0, np.left_shift(1, (bucket - 1).clip(0)), 0)
+    width = ell_widths(bucket)
     perm = np.argsort(bucket, kind="stable")
     pw = width[perm]
     start = np.zeros(n + 1, np.int64)
@@ -125,8 +129,9 @@ def pack_ell(indptr: np.ndarray, indices: np.ndarray, w: np.ndarray | None,
     vals = np.where(t < deg, vals, 0).astype(np.float32)
     goal = max(slots // parts, 64)
     work = []
+    ordered = bucket[perm]
     for k in np.unique(bucket):
-        first, end = np.searchsorted(bucket[perm], [k, k + 1])
+        first, end = np.searchsorted(ordered, [k, k + 1])
         per = max(1, goal // max(int(width[perm[first]]), 1)) if k > 0 else max(1, n // parts)
         for p0 in range(int(first), int(end), per):
             work.append((int(k), p0, min(p0 + per, int(end)), int(start[p0])))
@@ -146,11 +151,10 @@ def graph_sizes(plan, structures: dict) -> dict[str, int]:
             if st.num_edges else 0
         if "ell" not in steps[0]["formats"]["kernels"]:
             continue
-        for s in steps:
-            if s["formats"]["transpose"]:
-                sizes[f"ELL:{gname}:transposed"] = ell_slots(st.array("csc_indptr"))
-            else:
-                sizes[f"ELL:{gname}:forward"] = ell_slots(st.indptr)
+        if any(s["formats"]["transpose"] for s in steps):
+            sizes[f"ELL:{gname}:transposed"] = ell_slots(st.array("csc_indptr"))
+        if not all(s["formats"]["transpose"] for s in steps):
+            sizes[f"ELL:{gname}:forward"] = ell_slots(st.indptr)
     return sizes
 
 

@@ -67,9 +67,9 @@ class MemoryPlan:
 def plan_memory(plan: Plan, sizes: dict[str, int], store_names=(),
                 carve: bool = True) -> MemoryPlan:
     """``carve``: whether a slot may be cut into several (views at an offset)."""
-    pinned = set(store_names) | set(plan.params) | set(plan.consts) | set(plan.state)
-    pinned |= {_root(plan, o["buffer"]) for o in plan.outputs}
-    pinned |= {_root(plan, g) for g in plan.grads.values()}
+    results = {_root(plan, o["buffer"]) for o in plan.outputs}
+    results |= {_root(plan, g) for g in plan.grads.values()}
+    pinned = set(store_names) | set(plan.params) | set(plan.consts) | set(plan.state) | results
     for s in plan.bind_steps + plan.feed_steps:
         pinned |= {_root(plan, a["buf"]) for a in s["args"] if "buf" in a}
     first: dict[str, int] = {}
@@ -80,8 +80,6 @@ def plan_memory(plan: Plan, sizes: dict[str, int], store_names=(),
                 r = _root(plan, a["buf"])
                 first.setdefault(r, k)
                 last[r] = k
-    results = {_root(plan, o["buffer"]) for o in plan.outputs}
-    results |= {_root(plan, g) for g in plan.grads.values()}
     for i in plan.inputs:
         if i["role"] == "node" and i["name"] not in first and i["name"] not in results:
             # read by the feed steps alone: its storage is free once they ran (step -1)
