@@ -80,6 +80,17 @@ def _normalized(h, g2):
     return g2.aggregate(h, "sum", weight=g2.gcn_norm())
 
 
+def _attention(h, g, p, slope):
+    """GAT's attention over 2 heads of 3 channels, on a graph with nodes lacking in-edges
+    (no self loops): the training pipeline fuses it and its backward.  (Without a
+    leaky_relu the destination scores cancel in the softmax: b also shifts x, so its
+    gradient is not 0.)"""
+    x = (h + p.b).reshape(-1, 2, 3)
+    z = g.gather(x.sum(-1), "src") + g.gather((h * p.b).reshape(-1, 2, 3).sum(-1), "dst")
+    e = z.leaky_relu(slope) if slope is not None else z
+    return g.aggregate(x, "sum", weight=g.edge_softmax(e)).reshape(-1, 6)
+
+
 OPS = {
     "relu": lambda h, g, p: h.relu(), "leaky_relu": lambda h, g, p: h.leaky_relu(0.2),
     "elu": lambda h, g, p: h.elu(0.8), "exp": lambda h, g, p: (h * 0.1).exp(),
@@ -105,6 +116,8 @@ OPS = {
         h.reshape(-1, 2, 3), "sum",
         weight=g.edge_softmax(g.gather(h.reshape(-1, 2, 3).sum(-1), "src").leaky_relu(0.2))
     ).reshape(-1, 6),
+    "attention_fused": lambda h, g, p: _attention(h, g, p, 0.2),
+    "attention_fused_no_leaky_relu": lambda h, g, p: _attention(h, g, p, None),
     "self_loops_norm": lambda h, g, p: _normalized(h, g.add_self_loops()),
     "dropout": lambda h, g, p: dropout(h, 0.4),
 }
@@ -113,3 +126,16 @@ OPS = {
 @pytest.mark.parametrize("op", sorted(OPS))
 def test_op_gradient(op):
     _fd(OPS[op])
+
+
+@pytest.mark.parametrize("slope", [0.2, None])
+def test_attention_backward_is_fused(slope):
+    """The attention of ``test_op_gradient[attention_fused*]`` trains through the fused
+    ops: no edge softmax, no edge tensor left in the training graph."""
+    m = trace(Fn(lambda h, g, p: _attention(h, g, p, slope), 4),
+              {"x": NodeInput(4), "edge_index": GraphInput()})
+    train = training_pipeline()(m.graph.copy())
+    ops = [n.op.value for n in train]
+    assert ops.count("attention_aggregate") == 1
+    assert ops.count("attention_grad_dst") == ops.count("attention_grad_src") == 1
+    assert not [n.name for n in train if getattr(n.ty, "edge_graph", None)]

@@ -169,3 +169,13 @@ def test_explain_reports_decisions_with_numbers(capsys):
     assert len(sf["calibration"]) >= 5 and r["graph"]["nodes"] == 2708
     assert main(["explain", "gcn", "--in", "1433", "--out", "7"]) == 0
     assert "computed once per bound graph (hoisted): self_loops" in capsys.readouterr().out
+
+
+def test_explain_names_the_fused_attention_backward(capsys):
+    import json
+    assert main(["explain", "gat", "--layers", "2", "--train", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    ops = [b.split()[0] for b in r["attention_backward"]]
+    assert sorted(ops) == ["attention_grad_dst"] * 2 + ["attention_grad_src"] * 2
+    assert main(["explain", "gat", "--layers", "2", "--json"]) == 0  # inference: none
+    assert "attention_backward" not in json.loads(capsys.readouterr().out)

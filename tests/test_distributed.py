@@ -132,9 +132,12 @@ def artifacts(tmp_path_factory):
     from gcomp.compiler import compile_model
     d = tmp_path_factory.mktemp("dist")
     paths = []
-    for name in MODELS:
-        m = models.build(name, 1433, hidden=16, out_channels=7, layers=2, heads=2, dropout=0.5)
-        p = d / f"{name}.gcomp"
+    # GAT twice: with attention dropout (the unfused chain) and without (fused attention
+    # and its fused backward)
+    for name, dropout in [(m, 0.5) for m in MODELS] + [("gat", 0.0)]:
+        m = models.build(name, 1433, hidden=16, out_channels=7, layers=2, heads=2,
+                         dropout=dropout)
+        p = d / f"{name}-{dropout}.gcomp"
         compile_model(m, "llvm", train=True).save(p)
         paths.append(str(p))
     (d / "worker.py").write_text(WORKER)

@@ -237,11 +237,19 @@ def test_models_in_each_format_equal_the_interpreter(name, fmt):
 @pytest.mark.parametrize("name", MODELS)
 def test_training_in_each_format_equals_the_interpreter(name, fmt):
     """Forward and backward (aggregation over out-edges) share one packed layout (ELL:
-    A and A.T have one each); GAT's one-head last layer packs its attention weights on
-    every step, which ELL, packed once per graph, refuses by name."""
+    A and A.T have one each).  GAT with attention dropout keeps its coefficients as edge
+    tensors: its one-head last layer packs them on every step, which ELL, packed once
+    per graph, refuses by name; without dropout, attention and its backward are fused CSR
+    kernels with no format to choose."""
     g = labelled(band_graph(features=6, seed=2), 3)
     g.edge_weight = None
-    m = models.build(name, 6, hidden=8, out_channels=3, layers=3, heads=2, seed=1)
+    if name == "gat":
+        fused = compiled_vs_interpreted(models.build(name, 6, hidden=8, out_channels=3,
+                                                     layers=3, heads=2, seed=1), g, 3,
+                                        seed=2, formats=fmt)
+        assert not fused._binding.formats
+    m = models.build(name, 6, hidden=8, out_channels=3, layers=3, heads=2, seed=1,
+                     dropout=0.3 if name == "gat" else 0.0)
     if name == "gat" and fmt == "ell":
         with pytest.raises(InputError, match="cannot run as ell: its edge weights change "
                                              "every run"):
@@ -364,8 +372,8 @@ def test_reverse_cuthill_mckee_is_tried_only_when_the_band_would_pay():
 
 def test_weights_computed_every_run_add_the_packing_cost():
     g = band_graph(n=256, edges=4000, shuffle=False)
-    m = models.build("gat", 12, hidden=8, out_channels=3, layers=2, heads=1)
-    plan = compile_model(m, train=True).train_plan
+    m = models.build("gat", 12, hidden=8, out_channels=3, layers=2, heads=1, dropout=0.3)
+    plan = compile_model(m, train=True).train_plan  # attention dropout: unfused coefficients
     unit = {"csr_edge_ns": 1.0, "csr_row_ns": 0.0, "ell_slot_ns": 100.0, "ell_row_ns": 0.0,
             "dense_entry_ns": 0.1, "banded_entry_ns": 0.1,
             "pack_dense_entry_ns": 1.0, "pack_banded_entry_ns": 1.0,

@@ -168,3 +168,140 @@ def attention_agg(H: int, C: int, slope: float, epilogue: tuple = (), extras: tu
                     res = epi.apply(epilogue, res, lambda k: extra[k][epi.index(extras[k], vi, f)])
                     T.buffer_store(out, res, [vi, f])
     return ib.get()
+
+
+def slope_factor(z, slope: float):
+    """d leaky_relu(z) / dz: 1 above 0, else the slope (at 0 too, as autodiff's rule)."""
+    one = tirx.const(1.0, "float32")
+    return one if slope == 1.0 else tirx.Select(z > tirx.const(0.0, "float32"), one,
+                                                tirx.const(slope, "float32"))
+
+
+@definer("attention_grad_dst")
+def attention_grad_dst(H: int, C: int, slope: float):
+    """The destination half of fused attention's backward (``attention_grad_dst``): per
+    (row i, head h), a sweep over the in-edges for the maximum score, then one that sums
+    p_j = exp(e_j - max), p_j g_j, p_j g_j r_j and p_j r_j with g_j = dy_i . x_j, from
+    which out[i] holds d s_dst = (sum p g r - D sum p r) / l, s_dst, the log-sum-exp of
+    the scores and D = sum p g / l (l = sum p; zeros but s_dst for a row without
+    in-edges).
+
+    Arguments: indptr, indices, s_src (m x H), s_dst (n x H), x (m x H*C), dy (n x H*C),
+    out (n x 4H)."""
+    F = H * C
+    f32 = "float32"
+    with IRBuilder() as ib:
+        with T.prim_func(s_tir=True):
+            T.func_name("attention_grad_dst")
+            T.func_attr({"tirx.noalias": True})
+            n, m, nnz = (tirx.Var(name, "int64") for name in ("n", "m", "nnz"))
+            indptr = arg("indptr", (n + 1,), "int64")
+            indices = arg("indices", (nnz,), "int32")
+            s_src = arg("s_src", (m, H), f32)
+            s_dst = arg("s_dst", (n, H), f32)
+            x = arg("x", (m, F), f32)
+            dy = arg("dy", (n, F), f32)
+            out = arg("out", (n, 4 * H), f32)
+            # per (row, head): max, l, sum p g, sum p g r, sum p r, the dot product
+            stat = T.sblock_alloc_buffer((n, H, 6), f32)
+            IRBuilder.name("stat", stat)
+            with T.grid(n, H) as (i, h):
+                with T.sblock("row"):
+                    vi = T.axis.spatial(n, i)
+                    vh = T.axis.spatial(H, h)
+                    T.reads(indptr[vi:vi + 2], indices[0:nnz], s_src[0:m, vh], s_dst[vi, vh],
+                            x[0:m, vh * C:vh * C + C], dy[vi, vh * C:vh * C + C])
+                    T.writes(out[vi, vh], out[vi, H + vh], out[vi, 2 * H + vh],
+                             out[vi, 3 * H + vh], stat[vi, vh, 0:6])
+
+                    def z_of(j):
+                        return s_src[indices[j], vh] + s_dst[vi, vh]
+
+                    def put(k, v):
+                        T.buffer_store(stat, v, [vi, vh, k])
+                    put(0, tirx.const(NEG_INF, f32))
+                    with T.serial(indptr[vi], indptr[vi + 1]) as j:
+                        put(0, tirx.max(stat[vi, vh, 0], leaky(z_of(j), slope)))
+                    for k in range(1, 5):
+                        put(k, tirx.const(0.0, f32))
+                    with T.serial(indptr[vi], indptr[vi + 1]) as j:
+                        put(5, tirx.const(0.0, f32))
+                        with T.serial(0, C) as c:
+                            put(5, stat[vi, vh, 5] + dy[vi, vh * C + c] * x[indices[j], vh * C + c])
+                        p = fast_exp(leaky(z_of(j), slope) - stat[vi, vh, 0])
+                        r = slope_factor(z_of(j), slope)
+                        put(1, stat[vi, vh, 1] + p)
+                        put(2, stat[vi, vh, 2] + p * stat[vi, vh, 5])
+                        put(3, stat[vi, vh, 3] + p * stat[vi, vh, 5] * r)
+                        put(4, stat[vi, vh, 4] + p * r)
+                    finish_attention_stats(out, vi, vh, H, s_dst[vi, vh],
+                                           lambda k: stat[vi, vh, k])
+    return ib.get()
+
+
+def finish_attention_stats(out, i, h, H: int, s_dst, sums) -> None:
+    """out[i, (h, H + h, 2H + h, 3H + h)] = d s_dst, s_dst, log-sum-exp, D of row i and
+    head h, from its sums ``sums(k)``: k = 0 the maximum score, 1 l = sum p, 2 sum p g,
+    3 sum p g r, 4 sum p r."""
+    f32 = "float32"
+    zero = tirx.const(0.0, f32)
+    has = sums(1) > zero
+    l1 = tirx.max(sums(1), tirx.const(1.0, f32))  # l >= 1 where a row has edges (its max: e^0)
+    d = sums(2) / l1
+    T.buffer_store(out, tirx.Select(has, (sums(3) - d * sums(4)) / l1, zero), [i, h])
+    T.buffer_store(out, s_dst, [i, H + h])
+    T.buffer_store(out, tirx.Select(has, sums(0) + tirx.log(l1), zero), [i, 2 * H + h])
+    T.buffer_store(out, tirx.Select(has, d, zero), [i, 3 * H + h])
+
+
+@definer("attention_grad_src")
+def attention_grad_src(H: int, C: int, slope: float):
+    """The source half of fused attention's backward (``attention_grad_src``): per (source
+    row j, head h), a sweep over its out-edges (CSC: ``indices`` holds destinations i)
+    that recomputes each coefficient a = exp(e - lse_i) from the statistics row of
+    ``attention_grad_dst`` (s_dst, lse, D) and accumulates d x[j] = sum a dy_i and
+    d s_src[j] = sum a r (dy_i . x_j - D_i).
+
+    Arguments: indptr, indices (CSC), s_src (n x H), x (n x H*C), dy (m x H*C), stats
+    (m x 4H), out (n x H*C + H)."""
+    F = H * C
+    f32 = "float32"
+    with IRBuilder() as ib:
+        with T.prim_func(s_tir=True):
+            T.func_name("attention_grad_src")
+            T.func_attr({"tirx.noalias": True})
+            n, m, nnz = (tirx.Var(name, "int64") for name in ("n", "m", "nnz"))
+            indptr = arg("indptr", (n + 1,), "int64")
+            indices = arg("indices", (nnz,), "int32")
+            s_src = arg("s_src", (n, H), f32)
+            x = arg("x", (n, F), f32)
+            dy = arg("dy", (m, F), f32)
+            stats = arg("stats", (m, 4 * H), f32)
+            out = arg("out", (n, F + H), f32)
+            stat = T.sblock_alloc_buffer((n, H, 2), f32)  # d s_src, the dot product
+            IRBuilder.name("stat", stat)
+            with T.grid(n, H) as (i, h):
+                with T.sblock("row"):
+                    vj = T.axis.spatial(n, i)
+                    vh = T.axis.spatial(H, h)
+                    T.reads(indptr[vj:vj + 2], indices[0:nnz], s_src[vj, vh],
+                            x[vj, vh * C:vh * C + C], dy[0:m, vh * C:vh * C + C],
+                            stats[0:m, 0:4 * H])
+                    T.writes(out[vj, vh * C:vh * C + C], out[vj, F + vh], stat[vj, vh, 0:2])
+                    T.buffer_store(stat, tirx.const(0.0, f32), [vj, vh, 0])
+                    with T.serial(0, C) as c:
+                        T.buffer_store(out, tirx.const(0.0, f32), [vj, vh * C + c])
+                    with T.serial(indptr[vj], indptr[vj + 1]) as k:
+                        d = indices[k]
+                        z = s_src[vj, vh] + stats[d, H + vh]
+                        a = fast_exp(leaky(z, slope) - stats[d, 2 * H + vh])
+                        T.buffer_store(stat, tirx.const(0.0, f32), [vj, vh, 1])
+                        with T.serial(0, C) as c:
+                            f = vh * C + c
+                            T.buffer_store(stat, stat[vj, vh, 1] + dy[d, f] * x[vj, f],
+                                           [vj, vh, 1])
+                            T.buffer_store(out, out[vj, f] + a * dy[d, f], [vj, f])
+                        T.buffer_store(stat, stat[vj, vh, 0] + a * slope_factor(z, slope) * (
+                            stat[vj, vh, 1] - stats[d, 3 * H + vh]), [vj, vh, 0])
+                    T.buffer_store(out, stat[vj, vh, 0], [vj, F + vh])
+    return ib.get()

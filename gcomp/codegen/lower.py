@@ -488,12 +488,32 @@ class _Lowering:
             out = n
             self.buffer(n)
         fused = {"epilogue": chain, "extras": kinds} if chain else {}
-        H = int(x.ty.shape[1])
-        spec = KernelSpec.make("attention_agg", H=H, C=int(prod(x.ty.shape[2:])),
-                               slope=float(n.attrs["negative_slope"]), **fused)
+        spec = KernelSpec.make("attention_agg", **self._attention_params(n), **fused)
         self.step(n, spec, [self.garr(g, "indptr"), self.garr(g, "indices"),
                             self.arg(s_src), self.arg(s_dst), self.arg(x, self.flat2(x))]
                   + list(ext_args) + [self.arg(out, self.flat2(out))])
+
+    def lower_attention_grad_dst(self, n: Node) -> None:
+        g, x, s_src, s_dst, dy = n.inputs
+        self.buffer(n)
+        spec = KernelSpec.make("attention_grad_dst", **self._attention_params(n))
+        self.step(n, spec, [self.garr(g, "indptr"), self.garr(g, "indices"),
+                            self.arg(s_src), self.arg(s_dst), self.arg(x, self.flat2(x)),
+                            self.arg(dy, self.flat2(dy)), self.arg(n)])
+
+    def lower_attention_grad_src(self, n: Node) -> None:
+        g, x, s_src, dy, stats = n.inputs
+        self.buffer(n)
+        spec = KernelSpec.make("attention_grad_src", **self._attention_params(n))
+        self.step(n, spec, [self.garr(g, "csc_indptr"), self.garr(g, "csc_indices"),
+                            self.arg(s_src), self.arg(x, self.flat2(x)),
+                            self.arg(dy, self.flat2(dy)), self.arg(stats), self.arg(n)])
+
+    @staticmethod
+    def _attention_params(n: Node) -> dict:
+        x = n.inputs[1]
+        return {"H": int(x.ty.shape[1]), "C": int(prod(x.ty.shape[2:])),
+                "slope": float(n.attrs["negative_slope"])}
 
     def lower_edge_softmax(self, n: Node) -> None:
         g, e = n.inputs

@@ -67,6 +67,10 @@ def explain(graph: Graph, plans: dict, graph_data=None) -> dict:
                                     "feed_steps": len(plan.feed_steps)}
         if plan.formats:
             report["format_costs"] = plan.formats["costs"]
+        backward = [f"{s['op']} %{s['node']}" for s in plan.steps
+                    if s["op"] in ("attention_grad_dst", "attention_grad_src")]
+        if backward:
+            report["attention_backward"] = backward
         for key, v in plan.variants.items():
             entry = {"plan": label, "variant": key, "threshold": v.get("threshold"),
                      "calibration": v.get("calibration", [])}
@@ -122,6 +126,9 @@ def render(report: dict) -> str:
         lines.append(f"  {a['kernel']}: scores, softmax and sum per destination, replacing "
                      f"{', '.join(a['replaces'])}: {a['edge_bytes_saved_per_edge']} bytes per "
                      f"edge never written")
+    if report.get("attention_backward"):
+        lines.append("  training: attention's backward fused too, no edge tensor: "
+                     + ", ".join(report["attention_backward"]))
     lines.append("aggregation on the narrower side of a weight (edge work ~ edges x width):")
     for r in report["reorder"] or [None]:
         if r is None:

@@ -16,7 +16,8 @@ steps (``_schedule``):
 
 * a kernel that reads a node tensor at edge *sources* (``indices``: aggregation
   over in-edges, ``gather`` of sources, ``edge_dot``, ``sym_norm``; fused GAT
-  attention reads two, its source scores and features) needs that tensor's halo
+  attention and its backward read two, the source scores and features) needs that
+  tensor's halo
   rows to hold the owners' values.  The exchange is posted right
   after the tensor's producer (non-blocking Isend/Irecv; receives land directly
   in the halo rows) and waited for just before the reader.  An in-edge
@@ -26,8 +27,9 @@ steps (``_schedule``):
   node dropout keyed by global id are valid on halo rows, so the first layer
   of GraphSAGE or GIN exchanges nothing).
 * a kernel that writes node rows through *out*-edges (``csc_*``: the backward
-  of an aggregation, scatter onto sources, out-degrees) leaves partial sums on
-  halo rows: they are sent to their owners and added there (a reduce).
+  of an aggregation or of attention, scatter onto sources, out-degrees) leaves
+  partial sums on halo rows: they are sent to their owners and added there (a
+  reduce).
 * a kernel that sums over node rows into a non-node tensor (weight gradients
   ``x.T @ dy``, bias gradients, sums over nodes) sees owned rows only (a view),
   and its result is all-reduced (batched, before its first reader: usually the
@@ -330,17 +332,22 @@ class DistExecutor(Executor):
         c["out"] = out
         c["inputs"] = [n for _, n in ins]
         if garrs:
+            nodes = [n for _, n in ins if self._is_node(n)]
             if "csc_indptr" in garrs:
                 c["kind"] = "reduce" if self._is_node(out) else "local"
-                if c["kind"] == "reduce":
+                if fam == "attention_grad_src":
+                    # reads its own row's scores and features (s_src, x, dy, stats): on
+                    # halo rows too, whose partial sums go to their owners
+                    c["reads_src"], c["zero_halo"] = nodes[:2], []
+                elif c["kind"] == "reduce":
                     c["zero_halo"] = self._additive_extras(s, ins)
             else:
                 c["kind"] = "graph"
                 if "indices" in garrs:
-                    nodes = [n for _, n in ins if self._is_node(n)]
-                    # fused attention reads scores and features at sources (s_src, s_dst,
-                    # x): the others, their first node tensor
-                    c["reads_src"] = [nodes[0], nodes[2]] if fam == "attention_agg" else nodes[:1]
+                    # fused attention and its backward read scores and features at sources
+                    # (s_src, s_dst, x, ...): the others, their first node tensor
+                    c["reads_src"] = ([nodes[0], nodes[2]] if fam.startswith("attention_")
+                                      else nodes[:1])
             return c
         node_in = [n for _, n in ins if self._is_node(n)]
         edge_in = [n for _, n in ins if self._is_edge(n)]

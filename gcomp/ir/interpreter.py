@@ -155,6 +155,35 @@ def _expand_weight(w: np.ndarray, x_ndim: int) -> np.ndarray:
     return w.reshape(w.shape + (1,) * (x_ndim - w.ndim))
 
 
+def _attention(g: RefGraph, s_src, s_dst, slope: float):
+    """GAT's coefficients a [E, H] and d e / d z [E, H] (e = leaky_relu(z))."""
+    z = s_src[g.src] + s_dst[g.dst]
+    return _edge_softmax(g, np.where(z > 0, z, slope * z)), np.where(z > 0, 1.0, slope)
+
+
+def _attention_grad(op: Op, slope: float, g: RefGraph, x, s_src, s_dst, dy):
+    """The two halves of attention's backward, from per-edge tensors (see ops.py)."""
+    alpha, r = _attention(g, s_src, s_dst, slope)
+    n, H = s_src.shape
+    xs, dys = x.reshape(n, H, -1), dy.reshape(n, H, -1)
+    dot = (dys[g.dst] * xs[g.src]).sum(-1)                 # dy_i . x_j      [E, H]
+    D = _scatter(g, alpha * dot, "sum", g.dst)             # dy_i . y_i      [N, H]
+    dz = alpha * r * (dot - D[g.dst])                      # d loss / d z_ji [E, H]
+    if op == Op.ATTENTION_GRAD_DST:
+        z = s_src[g.src] + s_dst[g.dst]
+        e = np.where(z > 0, z, slope * z)
+        mx = np.full((n, H), -np.inf)
+        np.maximum.at(mx, g.dst, e)
+        has = np.isfinite(mx)
+        mx = np.where(has, mx, 0.0)
+        lse = np.zeros((n, H))
+        np.add.at(lse, g.dst, np.exp(e - mx[g.dst]))
+        lse = np.where(has, mx + np.log(np.where(has, lse, 1.0)), 0.0)
+        return np.concatenate([_scatter(g, dz, "sum", g.dst), s_dst, lse, D], axis=1)
+    dx = _scatter(g, dys[g.dst] * alpha[..., None], "sum", g.src).reshape(n, -1)
+    return np.concatenate([dx, _scatter(g, dz, "sum", g.src)], axis=1)
+
+
 def _degree(g: RefGraph, w, side: str) -> np.ndarray:
     idx = g.dst if side == "in" else g.src
     w = np.ones(g.num_edges) if w is None else w
@@ -274,9 +303,14 @@ def evaluate_node(n, args: list, num_nodes: int):
         return _edge_softmax(args[0], args[1])
     if op == Op.ATTENTION_AGGREGATE:
         g, x, s_src, s_dst = args
-        e = s_src[g.src] + s_dst[g.dst]
-        alpha = _edge_softmax(g, np.where(e > 0, e, a["negative_slope"] * e))
+        alpha, _ = _attention(g, s_src, s_dst, a["negative_slope"])
         return _scatter(g, x[g.src] * _expand_weight(alpha, x.ndim), "sum", g.dst)
+    if op == Op.ATTENTION_GRAD_DST:
+        return _attention_grad(op, a["negative_slope"], *args)
+    if op == Op.ATTENTION_GRAD_SRC:  # s_dst from the statistics
+        g, x, s_src, dy, stats = args
+        H = s_src.shape[1]
+        return _attention_grad(op, a["negative_slope"], g, x, s_src, stats[:, H:2 * H], dy)
     if op == Op.MATMUL:
         x, w = args
         return (x.T @ w) if a["trans_a"] else x @ (w.T if a["trans_b"] else w)

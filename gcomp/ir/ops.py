@@ -36,15 +36,33 @@ Training ops:
 Gradient ops (made by autodiff): ``elementwise_grad`` (d op / d input ``wrt``
 times dy; with ``of_output`` the derivative is computed from the op's output,
 which keeps activations' inputs out of memory), ``cross_entropy_grad``, ``broadcast_to``, ``slice``, ``edge_dot``
-(out[e] = sum_c x[src(e),..,c] * y[dst(e),..,c]), ``aggregate_argmax`` /
+(out[e] = sum_c x[src(e),..,c] * y[dst(e),..,c]), ``attention_grad_dst`` /
+``attention_grad_src`` (the backward of ``attention_aggregate``, below),
+``aggregate_argmax`` /
 ``scatter_argmax`` (the first in-edge in edge order holding the maximum, -1 if
 none) and ``aggregate_max_grad`` / ``scatter_max_grad`` (route dy to it).
+
+The backward of ``y = attention_aggregate(g, x, s_src, s_dst)``, with
+a_ji = softmax over the in-edges of i of e_ji = leaky_relu(z_ji), z_ji = s_src[j] +
+s_dst[i], r_ji = d e_ji / d z_ji (1 or the slope) and dy given, per head:
+``attention_grad_dst(g, x, s_src, s_dst, dy)``  f32[N, 4H], per destination i:
+                          columns [0, H) d loss / d s_dst[i] = sum_j a_ji r_ji
+                          (dy_i . x_j - D_i); [H, 2H) s_dst[i]; [2H, 3H) the
+                          log-sum-exp of e_ji over j; [3H, 4H) D_i = sum_j a_ji dy_i .
+                          x_j (= dy_i . y_i).  0 for a node without in-edges but s_dst.
+``attention_grad_src(g, x, s_src, dy, stats)``  f32[N, H*C + H] with stats from
+                          ``attention_grad_dst`` (one row holds all a destination
+                          gives its in-edges), per source j over its out-edges:
+                          columns [0, H*C) d loss / d x[j] = sum_i a_ji dy_i (x
+                          flattened), [H*C, H*C + H) d loss / d s_src[j] = sum_i a_ji
+                          r_ji (dy_i . x_j - D_i).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from math import prod
 from typing import Any, Callable
 
 from gcomp.errors import IRError
@@ -109,6 +127,8 @@ class Op(str, Enum):
     AGGREGATE_MAX_GRAD = "aggregate_max_grad"
     SCATTER_ARGMAX = "scatter_argmax"
     SCATTER_MAX_GRAD = "scatter_max_grad"
+    ATTENTION_GRAD_DST = "attention_grad_dst"
+    ATTENTION_GRAD_SRC = "attention_grad_src"
 
     def __str__(self) -> str:
         return self.value
@@ -128,7 +148,8 @@ class OpGroup:
     EdgeOps = frozenset({Op.GATHER, Op.SCATTER, Op.AGGREGATE, Op.EDGE_SOFTMAX, Op.SYM_NORM,
                          Op.ATTENTION_AGGREGATE,
                          Op.EDGE_REMAP, Op.DEGREE, Op.EDGE_DOT, Op.AGGREGATE_ARGMAX,
-                         Op.AGGREGATE_MAX_GRAD, Op.SCATTER_ARGMAX, Op.SCATTER_MAX_GRAD})
+                         Op.AGGREGATE_MAX_GRAD, Op.SCATTER_ARGMAX, Op.SCATTER_MAX_GRAD,
+                         Op.ATTENTION_GRAD_DST, Op.ATTENTION_GRAD_SRC})
     Aggregate = frozenset({Op.AGGREGATE, Op.SCATTER})
 
 
@@ -273,6 +294,29 @@ def _infer_attention_aggregate(node) -> Type:
         if s.rank != 2 or x.rank < 2 or s.shape[1] != x.shape[1]:
             _fail(node, f"scores {s} must be [N, H] with H = axis 1 of {x}")
     return x
+
+
+def _attention_dy(node, x: TensorType, i: int) -> None:
+    if _tensor(node, i) != x:
+        _fail(node, f"dy {node.inputs[i].ty} must have x's type {x}")
+
+
+def _infer_attention_grad_dst(node) -> Type:
+    x = _infer_attention_aggregate(node)
+    _attention_dy(node, x, 4)
+    return TensorType((N, 4 * int(x.shape[1])), "float32")
+
+
+def _infer_attention_grad_src(node) -> Type:
+    _graph(node, 0)
+    x, s = _node_tensor(node, 1), _node_tensor(node, 2)
+    if s.rank != 2 or x.rank < 2 or s.shape[1] != x.shape[1]:
+        _fail(node, f"scores {s} must be [N, H] with H = axis 1 of {x}")
+    H = int(x.shape[1])
+    _attention_dy(node, x, 3)
+    if _node_tensor(node, 4).shape[1:] != (4 * H,):
+        _fail(node, f"stats {node.inputs[4].ty} must be [N, {4 * H}] (attention_grad_dst)")
+    return TensorType((N, int(prod(x.shape[1:])) + H), "float32")
 
 
 def _infer_edge_softmax(node) -> Type:
@@ -535,6 +579,10 @@ OPS: dict[Op, OpDef] = {d.op: d for d in [
     OpDef(Op.SCATTER_ARGMAX, (2, 2), {}, _infer_argmax),
     OpDef(Op.AGGREGATE_MAX_GRAD, (3, 3), {}, _infer_max_grad),
     OpDef(Op.SCATTER_MAX_GRAD, (3, 3), {}, _infer_max_grad),
+    OpDef(Op.ATTENTION_GRAD_DST, (5, 5), {"negative_slope": _num(default=0.2)},
+          _infer_attention_grad_dst),
+    OpDef(Op.ATTENTION_GRAD_SRC, (5, 5), {"negative_slope": _num(default=0.2)},
+          _infer_attention_grad_src),
 ]}
 
 

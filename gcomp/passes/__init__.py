@@ -42,7 +42,8 @@ def training_pipeline() -> PassManager:
         Canonicalize(),
         CommonSubexprElimination(),
         FuseAggregate(),       # before autodiff: the backward of a fused aggregation is fused
-        ReorderLinear(),       # ... and of a narrower one is narrower
+        FuseAttention(),       # ... and GAT's attention gets its fused backward
+        ReorderLinear(),       # ... and the backward of a narrower aggregation is narrower
         Autodiff(),            # reverse mode: outputs become [loss, gradients]
         DeadCodeElimination(),
         HoistGraphStatic(),    # degrees and norms of both directions: once per bound graph

@@ -8,8 +8,10 @@ parameter p]`` and ``graph.meta["grads"]`` maps each parameter name to the
 name of its gradient value.  Only values on a path from a parameter to the
 loss are differentiated.  The backward pass of an aggregation over in-edges is
 an aggregation over out-edges (the transposed graph, CSC: a gather, no
-atomics); edge weights get ``edge_dot``; max reductions route the gradient to
-the first maximal edge; dropout reuses its (seed, step) mask.
+atomics); edge weights get ``edge_dot``; fused attention gets
+``attention_grad_dst`` and ``attention_grad_src`` (no edge tensors); max
+reductions route the gradient to the first maximal edge; dropout reuses its
+(seed, step) mask.
 
     Before:  %h = aggregate[reduce="sum"](%g, %x, %w) : f32[N,16]
              ... %loss = cross_entropy(%z, %y, %mask) : f32[]
@@ -193,6 +195,25 @@ def _vjp(b: _Builder, n: Node, dy: Node, needs) -> list[tuple[int, Node]]:
                 xs = b.reshape(x, (N,) + tuple(heads) + (int(prod(x.ty.shape[1 + k:])),), h)
                 ds = b.reshape(dy, xs.ty.shape, h)
                 out.append((2, b(Op.EDGE_DOT, [g, xs, ds], h)))
+    elif op == Op.ATTENTION_AGGREGATE:
+        # the fused backward: one pass over each destination's in-edges (its softmax
+        # statistics and d s_dst), one over each source's out-edges (d x, d s_src); no
+        # edge tensor, like the forward
+        g, x = ins[0], ins[1]
+        H = int(x.ty.shape[1])
+        F = int(prod(x.ty.shape[1:]))
+        slope = a["negative_slope"]
+        stats = b(Op.ATTENTION_GRAD_DST, [g, x, ins[2], ins[3], dy], h, negative_slope=slope)
+        if want(3):
+            out.append((3, b(Op.SLICE, [stats], h, axis=1, start=0, stop=H)))
+        if want(1) or want(2):
+            both = b(Op.ATTENTION_GRAD_SRC, [g, x, ins[2], dy, stats], h,
+                     negative_slope=slope)
+            if want(1):
+                out.append((1, b.reshape(b(Op.SLICE, [both], h, axis=1, start=0, stop=F),
+                                         x.ty.shape, h)))
+            if want(2):
+                out.append((2, b(Op.SLICE, [both], h, axis=1, start=F, stop=F + H)))
     elif op == Op.EDGE_SOFTMAX:
         g = ins[0]
         s = b(Op.SCATTER, [g, b(Op.MUL, [dy, n], h)], h, reduce="sum")

@@ -9,9 +9,10 @@ intermediate used by that chain alone, becomes
 ``attention_aggregate[negative_slope](g, x, s_src, s_dst)``.  The [E, H] edge
 tensors (two gathered scores, their sum, its leaky_relu, the coefficients) are
 then dead: the kernel computes each destination's scores, softmax and weighted
-sum in one pass over its in-edges (DF-GNN's fusion).  A coefficient that
-something else reads (the backward pass in training, dropout on attention)
-keeps the unfused form.
+sum in one pass over its in-edges (DF-GNN's fusion).  In training it runs
+before autodiff, whose rule for the fused op is a fused backward (two passes, no
+edge tensor either).  A coefficient that something else reads (dropout on
+attention) keeps the unfused form.
 
     Before:  %a = gather[side="src"](%g, %s) : f32[E(g),4]
              %b = gather[side="dst"](%g, %d) : f32[E(g),4]

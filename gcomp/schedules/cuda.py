@@ -193,6 +193,14 @@ def _attention(sch) -> None:
     _in_register(sch, blk, "out", fi)
 
 
+def _attention_grad(sch) -> None:
+    """The two halves of fused attention's backward: one thread per (row, head), its
+    sums (``stat``) in registers."""
+    blk = sch.get_sblock("row")
+    sch.set_scope(blk, _write_index(sch, blk, "stat"), "local")
+    _bind_rows(sch, blk, n_row_loops=2)
+
+
 def _edge_softmax(sch) -> None:
     """One thread per (row, head); the row's max and sum stay in registers."""
     blk = sch.get_sblock("row")
@@ -349,6 +357,8 @@ def schedule(sch, spec) -> None:
         _edge_softmax(sch)
     elif kind == "attention_agg":
         _attention(sch)
+    elif kind in ("attention_grad_dst", "attention_grad_src"):
+        _attention_grad(sch)
     elif kind == "degree":
         _degree(sch, bool(p["weighted"]))
     elif kind == "take_rows":

@@ -1,0 +1,82 @@
+"""The generic kernel definitions, the ones CUDA schedules, compiled for llvm as they are
+(serial loops, no schedule), equal the CPU definitions on the same arguments.
+
+No GPU is needed to check what a GPU kernel computes: its schedule only binds loops to
+threads and moves scratch values into registers.  Each kernel is compared on a graph with
+nodes lacking in-edges (or out-edges), a hub and duplicate edges, and its outputs against
+the interpreter's float64 values where the op has them."""
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import tvm
+
+from gcomp.codegen.kernels import KernelSpec, define
+from gcomp.ir import RefGraph
+from gcomp.ir.interpreter import _attention_grad
+from gcomp.ir.ops import Op
+
+
+def _graph(n=60, e=300, seed=0):
+    rng = np.random.default_rng(seed)
+    src = rng.integers(0, n, e)
+    dst = rng.integers(0, n - 5, e)                      # the last 5 nodes: no in-edges
+    src = np.concatenate([src, np.arange(n - 5), [3, 3]])  # a hub of in-edges at node 7,
+    dst = np.concatenate([dst, np.full(n - 5, 7), [4, 4]])  # a duplicated edge 3 -> 4
+    return RefGraph(n, src.astype(np.int64), dst.astype(np.int64))
+
+
+def _csr(g: RefGraph, by_dst: bool):
+    key, other = (g.dst, g.src) if by_dst else (g.src, g.dst)
+    order = np.argsort(key, kind="stable")
+    indptr = np.zeros(g.num_nodes + 1, np.int64)
+    np.add.at(indptr, key + 1, 1)
+    return np.cumsum(indptr), other[order].astype(np.int32)
+
+
+def _run(spec, target_def: bool, args, out_shape):
+    func = define(spec, "llvm" if target_def else None)
+    lib = tvm.compile(tvm.IRModule({spec.name: func}), target="llvm")
+    dev = tvm.cpu()
+    out = tvm.runtime.tensor(np.zeros(out_shape, np.float32), dev)
+    lib[spec.name](*[tvm.runtime.tensor(a, dev) for a in args], out)
+    return out.numpy()
+
+
+def _both(spec, args, out_shape):
+    generic = _run(spec, False, args, out_shape)
+    cpu = _run(spec, True, args, out_shape)
+    np.testing.assert_allclose(generic, cpu, rtol=2e-5, atol=2e-6)
+    return cpu
+
+
+@pytest.mark.parametrize("H,C,slope", [(2, 3, 0.2), (4, 8, 0.2), (1, 16, 1.0), (3, 5, 0.1)])
+def test_attention_kernels(H, C, slope):
+    g = _graph()
+    n = g.num_nodes
+    rng = np.random.default_rng(1)
+    f32 = np.float32
+    x, dy = (rng.standard_normal((n, H * C)).astype(f32) for _ in range(2))
+    s_src, s_dst = (rng.standard_normal((n, H)).astype(f32) for _ in range(2))
+    indptr, indices = _csr(g, by_dst=True)
+    cindptr, cindices = _csr(g, by_dst=False)
+    p = {"H": H, "C": C, "slope": slope}
+
+    y = _both(KernelSpec.make("attention_agg", **p), [indptr, indices, s_src, s_dst, x],
+              (n, H * C))
+    stats = _both(KernelSpec.make("attention_grad_dst", **p),
+                  [indptr, indices, s_src, s_dst, x, dy], (n, 4 * H))
+    grads = _both(KernelSpec.make("attention_grad_src", **p),
+                  [cindptr, cindices, s_src, x, dy, stats], (n, H * C + H))
+
+    f64 = [a.astype(np.float64) for a in (x.reshape(n, H, C), s_src, s_dst, dy.reshape(n, H, C))]
+    ref_dst = _attention_grad(Op.ATTENTION_GRAD_DST, slope, g, *f64)
+    ref_src = _attention_grad(Op.ATTENTION_GRAD_SRC, slope, g, *f64)
+    scale = np.abs(ref_src).max()
+    np.testing.assert_allclose(stats, ref_dst, rtol=1e-4, atol=1e-5 * max(1, np.abs(ref_dst).max()))
+    np.testing.assert_allclose(grads, ref_src, rtol=1e-4, atol=1e-5 * scale)
+    has_in = np.bincount(g.dst, minlength=n) > 0
+    assert not np.delete(stats[~has_in], np.s_[H:2 * H], axis=1).any()  # no in-edges: 0
+    # D = dy . y, the identity the destination half relies on
+    D = (dy.reshape(n, H, C) * y.reshape(n, H, C)).sum(-1)
+    np.testing.assert_allclose(stats[:, 3 * H:], D, rtol=1e-4, atol=1e-5)
