@@ -7,6 +7,8 @@ import platform
 import sys
 import time
 
+from gcomp.codegen.cpu_load import CpuMonitor
+
 THREAD_VARS = ("TVM_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 
@@ -81,36 +83,6 @@ def versions() -> dict:
         except md.PackageNotFoundError:
             out[key] = None
     return out
-
-
-class CpuMonitor:
-    """CPU time used by *other* processes: /proc/stat busy time minus this process's own
-    (threads and waited-for children).  ``cores()`` = average cores they kept busy since the
-    last call.  The machine is shared; a run with other load is recorded as such."""
-
-    def __init__(self):
-        self._last = self._sample()
-
-    @staticmethod
-    def _sample():
-        try:
-            with open("/proc/stat") as f:
-                v = [int(x) for x in f.readline().split()[1:]]
-        except OSError:
-            return None
-        hz = os.sysconf("SC_CLK_TCK")
-        busy = (sum(v[:8]) - v[3] - v[4]) / hz  # all but idle and iowait
-        t = os.times()
-        own = t.user + t.system + t.children_user + t.children_system
-        return time.monotonic(), busy, own
-
-    def cores(self) -> float | None:
-        now = self._sample()
-        last, self._last = self._last, now
-        if now is None or last is None or now[0] - last[0] <= 0:
-            return None
-        other = (now[1] - last[1]) - (now[2] - last[2])
-        return max(0.0, other / (now[0] - last[0]))
 
 
 def wait_quiet(max_wait_s: float, threshold: float = 0.2, window_s: float = 2.0, log=print):

@@ -23,7 +23,7 @@ import gc
 import statistics
 import time
 
-from bench.env import CpuMonitor
+from gcomp.codegen.cpu_load import CpuMonitor
 
 
 def settle(max_s: float = 2.0, window_s: float = 0.02, idle_cpu_s: float = 0.002) -> float:

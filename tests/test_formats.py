@@ -500,11 +500,43 @@ def test_compile_for_a_dense_graph_keeps_the_dense_kernels(tmp_path):
     assert [f["chosen"] for f in a.executor()._binding.formats.values()] == ["dense"]
 
 
+class _Load:
+    """Stands in for ``CpuMonitor``: other processes keep ``cores`` busy."""
+
+    def __init__(self, cores):
+        self._cores = cores
+
+    def cores(self):
+        return self._cores
+
+
+@pytest.mark.parametrize("loads,measured,kept", [([2.0, 0.1], 2, True), ([2.0, 2.0], 2, False),
+                                                 ([None], 1, True)])
+def test_calibration_under_load_is_taken_again_and_not_kept(tmp_path, monkeypatch, loads,
+                                                             measured, kept):
+    """Busy during the measurement: measured once more; busy again: used, not stored (the
+    next compile measures anew).  No /proc/stat (None): kept."""
+    from gcomp.codegen import calibrate
+    monkeypatch.setenv("GCOMP_CACHE_DIR", str(tmp_path))
+    seq = iter(loads)
+    monkeypatch.setattr(calibrate, "CpuMonitor", lambda: _Load(next(seq)))
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return {"csr_edge_ns": float(len(calls))}
+    assert calibrate._cached("formats", tmp_path / "0123abcd.so", [32], measure) == {
+        "csr_edge_ns": float(measured)}
+    assert len(calls) == measured
+    assert bool(list((tmp_path / "calibration").glob("*.json"))) == kept
+
+
 def test_calibration_is_kept_on_disk(tmp_path, monkeypatch):
     """Measurements are reused for the same kernel library, parameters and machine, and
     taken again for other kernels or parameters, or when the stored entry is damaged."""
     from gcomp.codegen import calibrate
     monkeypatch.setenv("GCOMP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibrate, "CpuMonitor", lambda: _Load(0.0))  # a quiet machine
     calls = []
 
     def measure():
