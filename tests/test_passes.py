@@ -376,3 +376,36 @@ def test_fusion_takes_activation_gradients_into_matmuls_only():
     PassManager([FuseEpilogues()])(g)
     assert g.node("m").meta["fused"] == ["d"]
     assert "fused" not in g.node("a").meta and "fused_into" not in g.node("e").meta
+
+
+def test_autodiff_of_fused_attention():
+    """The fused op's gradient rule: the destination pass (statistics, d s_dst), then the
+    source pass reading them (d x and d s_src side by side, sliced apart); only the
+    slices something needs: here x and s_src depend on the parameters, d does not."""
+    from gcomp.passes import Autodiff
+    before = """graph t(%x0: f32[N,2,3], %d: f32[N,2], %g: graph<coo>) {
+  %w = param : f32[3]
+  %a = param : f32[2,3]
+  %x = mul(%x0, %w) : f32[N,2,3]
+  %xa = mul(%x, %a) : f32[N,2,3]
+  %s = sum(%xa) : f32[N,2]
+  %y = attention_aggregate[negative_slope=0.1](%g, %x, %s, %d) : f32[N,2,3]
+  %r1 = sum(%y) : f32[N,2]
+  %r2 = sum(%r1) : f32[N]
+  %loss = sum[axis=0](%r2) : f32[]
+  return %loss
+}"""
+    after = run_pass(Autodiff(), before)
+    lines = [ln.strip() for ln in after.splitlines()]
+    dst = [ln for ln in lines if "= attention_grad_dst[negative_slope=0.1](%g, %x, %s, %d, %"
+           in ln]
+    src = [ln for ln in lines if "= attention_grad_src[negative_slope=0.1](%g, %x, %s, %" in ln]
+    assert len(dst) == len(src) == 1, after
+    stats = dst[0].split(" = ")[0]
+    assert src[0].split(", ")[-1].startswith(stats + ")"), src  # reads the statistics
+    assert dst[0].endswith(": f32[N,8]") and src[0].endswith(": f32[N,8]")  # 4H; H*C + H
+    both = src[0].split(" = ")[0]
+    slices = [ln for ln in lines if ln.split(" = ")[-1].startswith("slice")]
+    assert any(f"slice[axis=1, start=0, stop=6]({both})" in ln for ln in slices), slices
+    assert any(f"slice[axis=1, start=6, stop=8]({both})" in ln for ln in slices), slices
+    assert not any(f"({stats})" in ln for ln in slices)  # d needs no gradient
