@@ -258,7 +258,12 @@ class Executor:
         def graph_array(gname: str, array: str):
             key = (gname, array)
             if key not in arrays:
-                arrays[key] = tvm.runtime.tensor(structures[gname].array(array), self.device)
+                a = structures[gname].array(array)
+                # on the CPU the kernels read the structure's own arrays (a copy would
+                # double the graph's memory: 20 MB of CSR and CSC on arxiv-size)
+                # (numpy gives an empty array strides TVM calls non-compact)
+                arrays[key] = (tvm_ffi.from_dlpack(np.ascontiguousarray(a))
+                               if self.on_cpu and a.size else tvm.runtime.tensor(a, self.device))
             return arrays[key]
 
         def args_of(step):
