@@ -16,9 +16,8 @@ steps (``_schedule``):
 
 * a kernel that reads a node tensor at edge *sources* (``indices``: aggregation
   over in-edges, ``gather`` of sources, ``edge_dot``, ``sym_norm``; fused GAT
-  attention and its backward read two, the source scores and features) needs that
-  tensor's halo
-  rows to hold the owners' values.  The exchange is posted right
+  attention and its backward read two, the source scores and features) needs
+  that tensor's halo rows to hold the owners' values.  The exchange is posted right
   after the tensor's producer (non-blocking Isend/Irecv; receives land directly
   in the halo rows) and waited for just before the reader.  An in-edge
   aggregation runs its interior rows while the messages are in flight, then

@@ -51,8 +51,8 @@ s_dst[i], r_ji = d e_ji / d z_ji (1 or the slope) and dy given, per head:
                           log-sum-exp of e_ji over j; [3H, 4H) D_i = sum_j a_ji dy_i .
                           x_j (= dy_i . y_i).  0 for a node without in-edges but s_dst.
 ``attention_grad_src(g, x, s_src, dy, stats)``  f32[N, H*C + H] with stats from
-                          ``attention_grad_dst`` (one row holds all a destination
-                          gives its in-edges), per source j over its out-edges:
+                          ``attention_grad_dst`` (a destination's row holds all the
+                          source pass reads of it), per source j over its out-edges:
                           columns [0, H*C) d loss / d x[j] = sum_i a_ji dy_i (x
                           flattened), [H*C, H*C + H) d loss / d s_src[j] = sum_i a_ji
                           r_ji (dy_i . x_j - D_i).
