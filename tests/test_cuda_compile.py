@@ -80,8 +80,8 @@ def test_every_model_compiles_for_cuda(name, train, tmp_path):
     assert info["kind"] == ("training" if train else "inference")
 
 
-# ops whose kernels (max aggregation and its gradient, fused attention's backward (the
-# models train GAT with attention dropout here), edge softmax with heads, concat,
+# ops whose kernels (max aggregation and its gradient, fused attention without dropout
+# (the models train GAT with it here), edge softmax with heads, concat,
 # reductions, softmax, self-loop normalization) the bundled models' defaults do not use
 OPS_BEYOND_MODELS = ["aggregate_max", "aggregate_weighted_mean", "attention_fused",
                      "attention_fused_no_leaky_relu", "concat_reshape",

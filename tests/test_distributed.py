@@ -132,8 +132,8 @@ def artifacts(tmp_path_factory):
     from gcomp.compiler import compile_model
     d = tmp_path_factory.mktemp("dist")
     paths = []
-    # GAT twice: with attention dropout (the unfused chain) and without (fused attention
-    # and its fused backward)
+    # GAT twice: fused attention and its fused backward with dropout of the coefficients
+    # (masks hashed by global edge ids) and without
     for name, dropout in [(m, 0.5) for m in MODELS] + [("gat", 0.0)]:
         m = models.build(name, 1433, hidden=16, out_channels=7, layers=2, heads=2,
                          dropout=dropout)

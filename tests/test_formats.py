@@ -237,28 +237,50 @@ def test_models_in_each_format_equal_the_interpreter(name, fmt):
 @pytest.mark.parametrize("name", MODELS)
 def test_training_in_each_format_equals_the_interpreter(name, fmt):
     """Forward and backward (aggregation over out-edges) share one packed layout (ELL:
-    A and A.T have one each).  GAT with attention dropout keeps its coefficients as edge
-    tensors: its one-head last layer packs them on every step, which ELL, packed once
-    per graph, refuses by name; without dropout, attention and its backward are fused CSR
-    kernels with no format to choose."""
+    A and A.T have one each).  GAT's attention and its backward, with attention dropout
+    or without, are fused CSR kernels with no format to choose."""
     g = labelled(band_graph(features=6, seed=2), 3)
     g.edge_weight = None
-    if name == "gat":
-        fused = compiled_vs_interpreted(models.build(name, 6, hidden=8, out_channels=3,
-                                                     layers=3, heads=2, seed=1), g, 3,
-                                        seed=2, formats=fmt)
-        assert not fused._binding.formats
-    m = models.build(name, 6, hidden=8, out_channels=3, layers=3, heads=2, seed=1,
-                     dropout=0.3 if name == "gat" else 0.0)
-    if name == "gat" and fmt == "ell":
+    for dropout in ([0.0, 0.3] if name == "gat" else [0.0]):
+        m = models.build(name, 6, hidden=8, out_channels=3, layers=3, heads=2, seed=1,
+                         dropout=dropout)
+        tr = compiled_vs_interpreted(m, g, 3, seed=2, formats=fmt)
+        chosen = set(tr._binding.formats[k]["chosen"] for k in tr._binding.formats)
+        assert chosen == (set() if name == "gat" else {fmt})
+
+
+def _scored(F: int):
+    """Edge weights computed on every step that no fusion absorbs (a softmax over each
+    destination of its sources' scores), in a one-layer model."""
+    from gcomp.frontend.builder import GraphInput, Module, NodeInput, Parameter, trace
+
+    class Scored(Module):
+        def __init__(self):
+            self.w = Parameter((F, 8), "glorot")
+            self.out = Parameter((8, 3), "glorot")
+
+        def forward(self, x, edge_index):
+            h = x @ self.w
+            a = edge_index.edge_softmax(edge_index.gather(h.sum(-1), "src"))
+            return edge_index.aggregate(h, "sum", weight=a) @ self.out
+    return trace(Scored(), {"x": NodeInput(F), "edge_index": GraphInput()}, seed=1)
+
+
+@pytest.mark.parametrize("fmt", ["dense", "banded", "ell"])
+def test_weights_computed_every_step_in_each_format(fmt):
+    """Dense and banded layouts of such weights are packed by a step on every run; ELL,
+    packed once per graph, refuses them by name."""
+    g = labelled(band_graph(features=6, seed=2), 3)
+    g.edge_weight = None
+    m = _scored(6)
+    if fmt == "ell":
         with pytest.raises(InputError, match="cannot run as ell: its edge weights change "
                                              "every run"):
             Trainer(compile_model(m, train=True), g, formats="ell")
         return
     tr = compiled_vs_interpreted(m, g, 3, seed=2, formats=fmt)
     assert set(tr._binding.formats[k]["chosen"] for k in tr._binding.formats) == {fmt}
-    if name == "gat":
-        assert any(s["op"] == "format_pack" for s in tr._binding.plan_steps)
+    assert any(s["op"] == "format_pack" for s in tr._binding.plan_steps)
 
 
 def test_graph_without_edges_in_each_format():
@@ -372,8 +394,7 @@ def test_reverse_cuthill_mckee_is_tried_only_when_the_band_would_pay():
 
 def test_weights_computed_every_run_add_the_packing_cost():
     g = band_graph(n=256, edges=4000, shuffle=False)
-    m = models.build("gat", 12, hidden=8, out_channels=3, layers=2, heads=1, dropout=0.3)
-    plan = compile_model(m, train=True).train_plan  # attention dropout: unfused coefficients
+    plan = compile_model(_scored(12), train=True).train_plan
     unit = {"csr_edge_ns": 1.0, "csr_row_ns": 0.0, "ell_slot_ns": 100.0, "ell_row_ns": 0.0,
             "dense_entry_ns": 0.1, "banded_entry_ns": 0.1,
             "pack_dense_entry_ns": 1.0, "pack_banded_entry_ns": 1.0,
@@ -383,7 +404,7 @@ def test_weights_computed_every_run_add_the_packing_cost():
     B = entry["block"]
     steps = fmts.format_steps(plan).popitem()[1]
     weights = {s["formats"]["weights"]["buf"] for s in steps}
-    assert len(weights) == 2  # each layer's attention weights, forward and backward
+    assert len(weights) == 1 and len(steps) == 2  # the weights, forward and backward
     # one pack of n x 3B entries per run for each weights buffer, shared by its steps
     assert entry["cost_ms"]["banded"] == pytest.approx(
         (len(steps) * 0.1 + len(weights) * 1.0) * 256 * 3 * B * 1e-6)

@@ -27,11 +27,12 @@ def _graph(n=60, e=300, seed=0):
 
 
 def _csr(g: RefGraph, by_dst: bool):
+    """indptr, neighbours and each slot's edge id in the given order."""
     key, other = (g.dst, g.src) if by_dst else (g.src, g.dst)
     order = np.argsort(key, kind="stable")
     indptr = np.zeros(g.num_nodes + 1, np.int64)
     np.add.at(indptr, key + 1, 1)
-    return np.cumsum(indptr), other[order].astype(np.int32)
+    return np.cumsum(indptr), other[order].astype(np.int32), order.astype(np.int64)
 
 
 def _run(spec, target_def: bool, args, out_shape):
@@ -50,33 +51,41 @@ def _both(spec, args, out_shape):
     return cpu
 
 
-@pytest.mark.parametrize("H,C,slope", [(2, 3, 0.2), (4, 8, 0.2), (1, 16, 1.0), (3, 5, 0.1)])
-def test_attention_kernels(H, C, slope):
+@pytest.mark.parametrize("H,C,slope,p", [(2, 3, 0.2, 0.0), (4, 8, 0.2, 0.0), (1, 16, 1.0, 0.0),
+                                         (3, 5, 0.1, 0.0), (4, 8, 0.2, 0.4), (1, 4, 1.0, 0.3)])
+def test_attention_kernels(H, C, slope, p):
+    """With dropout (p > 0) the kernels hash each coefficient's canonical edge id (here the
+    edges' given order, ``perm``) as ``dropout`` of an [E, H] tensor does."""
     g = _graph()
     n = g.num_nodes
     rng = np.random.default_rng(1)
     f32 = np.float32
     x, dy = (rng.standard_normal((n, H * C)).astype(f32) for _ in range(2))
     s_src, s_dst = (rng.standard_normal((n, H)).astype(f32) for _ in range(2))
-    indptr, indices = _csr(g, by_dst=True)
-    cindptr, cindices = _csr(g, by_dst=False)
-    p = {"H": H, "C": C, "slope": slope}
+    indptr, indices, perm = _csr(g, by_dst=True)
+    cindptr, cindices, cperm = _csr(g, by_dst=False)
+    params = {"H": H, "C": C, "slope": slope}
+    ids, step = [[], []], []
+    if p:
+        params.update(p=p, seed=5)
+        ids, step = [[perm], [cperm]], [np.array(7, np.int32)]
 
-    y = _both(KernelSpec.make("attention_agg", **p), [indptr, indices, s_src, s_dst, x],
-              (n, H * C))
-    stats = _both(KernelSpec.make("attention_grad_dst", **p),
-                  [indptr, indices, s_src, s_dst, x, dy], (n, 4 * H))
-    grads = _both(KernelSpec.make("attention_grad_src", **p),
-                  [cindptr, cindices, s_src, x, dy, stats], (n, H * C + H))
+    y = _both(KernelSpec.make("attention_agg", **params),
+              [indptr, indices] + ids[0] + [s_src, s_dst, x] + step, (n, H * C))
+    stats = _both(KernelSpec.make("attention_grad_dst", **params),
+                  [indptr, indices] + ids[0] + [s_src, s_dst, x, dy] + step, (n, 4 * H))
+    grads = _both(KernelSpec.make("attention_grad_src", **params),
+                  [cindptr, cindices] + ids[1] + [s_src, x, dy, stats] + step, (n, H * C + H))
 
     f64 = [a.astype(np.float64) for a in (x.reshape(n, H, C), s_src, s_dst, dy.reshape(n, H, C))]
-    ref_dst = _attention_grad(Op.ATTENTION_GRAD_DST, slope, g, *f64)
-    ref_src = _attention_grad(Op.ATTENTION_GRAD_SRC, slope, g, *f64)
+    attrs = {"negative_slope": slope, "p": p, "seed": 5}
+    ref_dst = _attention_grad(Op.ATTENTION_GRAD_DST, attrs, g, *f64, 7)
+    ref_src = _attention_grad(Op.ATTENTION_GRAD_SRC, attrs, g, *f64, 7)
     scale = np.abs(ref_src).max()
     np.testing.assert_allclose(stats, ref_dst, rtol=1e-4, atol=1e-5 * max(1, np.abs(ref_dst).max()))
     np.testing.assert_allclose(grads, ref_src, rtol=1e-4, atol=1e-5 * scale)
     has_in = np.bincount(g.dst, minlength=n) > 0
     assert not np.delete(stats[~has_in], np.s_[H:2 * H], axis=1).any()  # no in-edges: 0
-    # D = dy . y, the identity the destination half relies on
+    # D = dy . y (y with the same dropout), the identity the destination half relies on
     D = (dy.reshape(n, H, C) * y.reshape(n, H, C)).sum(-1)
     np.testing.assert_allclose(stats[:, 3 * H:], D, rtol=1e-4, atol=1e-5)

@@ -28,6 +28,7 @@ from tvm.script.ir_builder import tirx as T
 from gcomp.codegen import epilogue as epi
 from gcomp.codegen.fastmath import fast_exp
 from gcomp.codegen.kernels import definer
+from gcomp.codegen.rng_expr import keep
 
 NEG_INF = -3.4028234663852886e38
 
@@ -100,6 +101,22 @@ def csr_agg(reduce: str, H: int, C: int, weight: str, indirect: bool = False,
     return ib.get()
 
 
+def drop_factor(perm, j, h, H: int, step, p: float, seed: int):
+    """Fused attention's dropout factor of coefficient (edge j, head h): keep / (1 - p)
+    from the hash of the element id perm[j] * H + h (``dropout`` of an [E, H] tensor);
+    None without dropout."""
+    if not p:
+        return None
+    f32 = "float32"
+    return tirx.Select(keep(perm[j] * H + h, step[()], seed, p),
+                       tirx.const(1.0 / (1.0 - p), f32), tirx.const(0.0, f32))
+
+
+def times(v, factor):
+    """v * factor, or v when there is no factor."""
+    return v if factor is None else v * factor
+
+
 def leaky(v, slope: float):
     """leaky_relu(v); slope 1 is the identity."""
     if slope == 1.0:
@@ -108,19 +125,22 @@ def leaky(v, slope: float):
 
 
 @definer("attention_agg")
-def attention_agg(H: int, C: int, slope: float, epilogue: tuple = (), extras: tuple = ()):
+def attention_agg(H: int, C: int, slope: float, p: float = 0.0, seed: int = 0,
+                  epilogue: tuple = (), extras: tuple = ()):
     """GAT attention in one kernel (the ``attention_aggregate`` op):
 
         e_j = leaky_relu(s_src[indices[j], h] + s_dst[i, h])   for in-edges j of row i
-        out[i, h, c] = epilogue(sum_j exp(e_j - max e) * x[indices[j], h, c] / sum_j exp(...))
+        out[i, h, c] = epilogue(sum_j exp(e_j - max e) m_j x[indices[j], h, c] / sum_j exp(...))
+
+    with m_j the dropout factor of the coefficient (1 without dropout).
 
     Two sweeps over the row's in-edges: the maximum score, then the exponentials, their
     sum and the weighted sum of source rows; no per-edge buffer.  The block is spatial
     over (row, head, channel) like ``csr_agg`` (GPU lanes share a row); the row's
     statistics live in ``stat``, which a schedule puts in registers.
 
-    Arguments: indptr, indices, s_src (m x H), s_dst (n x H), x (m x H*C), extras...,
-    out (n x H*C).
+    Arguments: indptr, indices, [perm (nnz), with dropout], s_src (m x H), s_dst (n x H),
+    x (m x H*C), [step, with dropout], extras..., out (n x H*C).
     """
     F = H * C
     f32 = "float32"
@@ -132,9 +152,11 @@ def attention_agg(H: int, C: int, slope: float, epilogue: tuple = (), extras: tu
 
             indptr = arg("indptr", (n + 1,), "int64")
             indices = arg("indices", (nnz,), "int32")
+            perm = arg("perm", (nnz,), "int64") if p else None
             s_src = arg("s_src", (m, H), f32)
             s_dst = arg("s_dst", (n, H), f32)
             x = arg("x", (m, F), f32)
+            step = arg("step", (), "int32") if p else None
             extra = [arg(f"e{k}", epi.shape(kind, n, F), f32)
                      for k, kind in enumerate(extras)]
             out = arg("out", (n, F), f32)
@@ -147,7 +169,7 @@ def attention_agg(H: int, C: int, slope: float, epilogue: tuple = (), extras: tu
                     vc = T.axis.spatial(C, c)
                     f = vh * C + vc
                     T.reads(indptr[vi:vi + 2], indices[0:nnz], s_src[0:m, vh], s_dst[vi, vh],
-                            x[0:m, f])
+                            x[0:m, f], *([perm[0:nnz], step[()]] if p else []))
                     T.writes(out[vi, f], stat[vi, vh, vc, 0:2])
 
                     def score(j):
@@ -159,9 +181,10 @@ def attention_agg(H: int, C: int, slope: float, epilogue: tuple = (), extras: tu
                     T.buffer_store(stat, tirx.const(0.0, f32), [vi, vh, vc, 1])
                     T.buffer_store(out, tirx.const(0.0, f32), [vi, f])
                     with T.serial(indptr[vi], indptr[vi + 1]) as j:
-                        p = fast_exp(score(j) - stat[vi, vh, vc, 0])
-                        T.buffer_store(stat, stat[vi, vh, vc, 1] + p, [vi, vh, vc, 1])
-                        T.buffer_store(out, out[vi, f] + p * x[indices[j], f], [vi, f])
+                        e = fast_exp(score(j) - stat[vi, vh, vc, 0])
+                        T.buffer_store(stat, stat[vi, vh, vc, 1] + e, [vi, vh, vc, 1])
+                        w = times(e, drop_factor(perm, j, vh, H, step, p, seed))
+                        T.buffer_store(out, out[vi, f] + w * x[indices[j], f], [vi, f])
                     total = stat[vi, vh, vc, 1]
                     res = tirx.Select(total > tirx.const(0.0, f32), out[vi, f] / total,
                                       tirx.const(0.0, f32))
@@ -178,16 +201,16 @@ def slope_factor(z, slope: float):
 
 
 @definer("attention_grad_dst")
-def attention_grad_dst(H: int, C: int, slope: float):
+def attention_grad_dst(H: int, C: int, slope: float, p: float = 0.0, seed: int = 0):
     """The destination half of fused attention's backward (``attention_grad_dst``): per
     (row i, head h), a sweep over the in-edges for the maximum score, then one that sums
     p_j = exp(e_j - max), p_j g_j, p_j g_j r_j and p_j r_j with g_j = dy_i . x_j, from
     which out[i] holds d s_dst = (sum p g r - D sum p r) / l, s_dst, the log-sum-exp of
     the scores and D = sum p g / l (l = sum p; zeros but s_dst for a row without
-    in-edges).
+    in-edges).  With dropout, g_j is m_j dy_i . x_j (m_j: the coefficient's dropout factor).
 
-    Arguments: indptr, indices, s_src (m x H), s_dst (n x H), x (m x H*C), dy (n x H*C),
-    out (n x 4H)."""
+    Arguments: indptr, indices, [perm], s_src (m x H), s_dst (n x H), x (m x H*C), dy (n x
+    H*C), [step], out (n x 4H)."""
     F = H * C
     f32 = "float32"
     with IRBuilder() as ib:
@@ -197,10 +220,12 @@ def attention_grad_dst(H: int, C: int, slope: float):
             n, m, nnz = (tirx.Var(name, "int64") for name in ("n", "m", "nnz"))
             indptr = arg("indptr", (n + 1,), "int64")
             indices = arg("indices", (nnz,), "int32")
+            perm = arg("perm", (nnz,), "int64") if p else None
             s_src = arg("s_src", (m, H), f32)
             s_dst = arg("s_dst", (n, H), f32)
             x = arg("x", (m, F), f32)
             dy = arg("dy", (n, F), f32)
+            step = arg("step", (), "int32") if p else None
             out = arg("out", (n, 4 * H), f32)
             # per (row, head): max, l, sum p g, sum p g r, sum p r, the dot product
             stat = T.sblock_alloc_buffer((n, H, 6), f32)
@@ -210,7 +235,8 @@ def attention_grad_dst(H: int, C: int, slope: float):
                     vi = T.axis.spatial(n, i)
                     vh = T.axis.spatial(H, h)
                     T.reads(indptr[vi:vi + 2], indices[0:nnz], s_src[0:m, vh], s_dst[vi, vh],
-                            x[0:m, vh * C:vh * C + C], dy[vi, vh * C:vh * C + C])
+                            x[0:m, vh * C:vh * C + C], dy[vi, vh * C:vh * C + C],
+                            *([perm[0:nnz], step[()]] if p else []))
                     T.writes(out[vi, vh], out[vi, H + vh], out[vi, 2 * H + vh],
                              out[vi, 3 * H + vh], stat[vi, vh, 0:6])
 
@@ -228,12 +254,13 @@ def attention_grad_dst(H: int, C: int, slope: float):
                         put(5, tirx.const(0.0, f32))
                         with T.serial(0, C) as c:
                             put(5, stat[vi, vh, 5] + dy[vi, vh * C + c] * x[indices[j], vh * C + c])
-                        p = fast_exp(leaky(z_of(j), slope) - stat[vi, vh, 0])
+                        put(5, times(stat[vi, vh, 5], drop_factor(perm, j, vh, H, step, p, seed)))
+                        e = fast_exp(leaky(z_of(j), slope) - stat[vi, vh, 0])
                         r = slope_factor(z_of(j), slope)
-                        put(1, stat[vi, vh, 1] + p)
-                        put(2, stat[vi, vh, 2] + p * stat[vi, vh, 5])
-                        put(3, stat[vi, vh, 3] + p * stat[vi, vh, 5] * r)
-                        put(4, stat[vi, vh, 4] + p * r)
+                        put(1, stat[vi, vh, 1] + e)
+                        put(2, stat[vi, vh, 2] + e * stat[vi, vh, 5])
+                        put(3, stat[vi, vh, 3] + e * stat[vi, vh, 5] * r)
+                        put(4, stat[vi, vh, 4] + e * r)
                     finish_attention_stats(out, vi, vh, H, s_dst[vi, vh],
                                            lambda k: stat[vi, vh, k])
     return ib.get()
@@ -255,15 +282,16 @@ def finish_attention_stats(out, i, h, H: int, s_dst, sums) -> None:
 
 
 @definer("attention_grad_src")
-def attention_grad_src(H: int, C: int, slope: float):
+def attention_grad_src(H: int, C: int, slope: float, p: float = 0.0, seed: int = 0):
     """The source half of fused attention's backward (``attention_grad_src``): per (source
     row j, head h), a sweep over its out-edges (CSC: ``indices`` holds destinations i)
     that recomputes each coefficient a = exp(e - lse_i) from the statistics row of
     ``attention_grad_dst`` (s_dst, lse, D) and accumulates d x[j] = sum a dy_i and
-    d s_src[j] = sum a r (dy_i . x_j - D_i).
+    d s_src[j] = sum a r (dy_i . x_j - D_i) (with dropout: sum a m dy_i and sum a r (m dy_i
+    . x_j - D_i)).
 
-    Arguments: indptr, indices (CSC), s_src (n x H), x (n x H*C), dy (m x H*C), stats
-    (m x 4H), out (n x H*C + H)."""
+    Arguments: indptr, indices (CSC), [csc_perm: the canonical id of each CSC slot's edge],
+    s_src (n x H), x (n x H*C), dy (m x H*C), stats (m x 4H), [step], out (n x H*C + H)."""
     F = H * C
     f32 = "float32"
     with IRBuilder() as ib:
@@ -273,10 +301,12 @@ def attention_grad_src(H: int, C: int, slope: float):
             n, m, nnz = (tirx.Var(name, "int64") for name in ("n", "m", "nnz"))
             indptr = arg("indptr", (n + 1,), "int64")
             indices = arg("indices", (nnz,), "int32")
+            perm = arg("csc_perm", (nnz,), "int64") if p else None
             s_src = arg("s_src", (n, H), f32)
             x = arg("x", (n, F), f32)
             dy = arg("dy", (m, F), f32)
             stats = arg("stats", (m, 4 * H), f32)
+            step = arg("step", (), "int32") if p else None
             out = arg("out", (n, F + H), f32)
             stat = T.sblock_alloc_buffer((n, H, 2), f32)  # d s_src, the dot product
             IRBuilder.name("stat", stat)
@@ -286,7 +316,7 @@ def attention_grad_src(H: int, C: int, slope: float):
                     vh = T.axis.spatial(H, h)
                     T.reads(indptr[vj:vj + 2], indices[0:nnz], s_src[vj, vh],
                             x[vj, vh * C:vh * C + C], dy[0:m, vh * C:vh * C + C],
-                            stats[0:m, 0:4 * H])
+                            stats[0:m, 0:4 * H], *([perm[0:nnz], step[()]] if p else []))
                     T.writes(out[vj, vh * C:vh * C + C], out[vj, F + vh], stat[vj, vh, 0:2])
                     T.buffer_store(stat, tirx.const(0.0, f32), [vj, vh, 0])
                     with T.serial(0, C) as c:
@@ -295,13 +325,14 @@ def attention_grad_src(H: int, C: int, slope: float):
                         d = indices[k]
                         z = s_src[vj, vh] + stats[d, H + vh]
                         a = fast_exp(leaky(z, slope) - stats[d, 2 * H + vh])
+                        mk = drop_factor(perm, k, vh, H, step, p, seed)
                         T.buffer_store(stat, tirx.const(0.0, f32), [vj, vh, 1])
                         with T.serial(0, C) as c:
                             f = vh * C + c
                             T.buffer_store(stat, stat[vj, vh, 1] + dy[d, f] * x[vj, f],
                                            [vj, vh, 1])
-                            T.buffer_store(out, out[vj, f] + a * dy[d, f], [vj, f])
+                            T.buffer_store(out, out[vj, f] + times(a, mk) * dy[d, f], [vj, f])
                         T.buffer_store(stat, stat[vj, vh, 0] + a * slope_factor(z, slope) * (
-                            stat[vj, vh, 1] - stats[d, 3 * H + vh]), [vj, vh, 0])
+                            times(stat[vj, vh, 1], mk) - stats[d, 3 * H + vh]), [vj, vh, 0])
                     T.buffer_store(out, stat[vj, vh, 0], [vj, F + vh])
     return ib.get()

@@ -35,8 +35,8 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
 from gcomp.codegen import epilogue as epi
-from gcomp.codegen.aggregate_kernel import (NEG_INF, _finish, arg, finish_attention_stats,
-                                            leaky, slope_factor)
+from gcomp.codegen.aggregate_kernel import (NEG_INF, _finish, arg, drop_factor,
+                                            finish_attention_stats, leaky, slope_factor, times)
 from gcomp.codegen.dense_kernels import _lanes
 from gcomp.codegen.fastmath import fast_exp
 from gcomp.codegen.kernels import definer
@@ -204,12 +204,13 @@ def edge_dot(H: int, C: int):
 
 
 @definer("attention_agg", target="llvm")
-def attention_agg(H: int, C: int, slope: float, epilogue: tuple = (), extras: tuple = ()):
+def attention_agg(H: int, C: int, slope: float, p: float = 0.0, seed: int = 0,
+                  epilogue: tuple = (), extras: tuple = ()):
     """GAT attention per destination row (see the generic ``attention_agg``): a sweep over
     the in-edges for each head's maximum score, then one for the exponentials and their
-    sums (vectorized over heads) and the weighted sum of the prefetched source rows
-    (vectorized over channels).  All heads share a sweep: each source row and score row
-    is fetched once per edge."""
+    sums (vectorized over heads; with dropout, the weights times their dropout factors)
+    and the weighted sum of the prefetched source rows (vectorized over channels).  All
+    heads share a sweep: each source row and score row is fetched once per edge."""
     F = H * C
     f32 = "float32"
     with IRBuilder() as ib:
@@ -217,19 +218,22 @@ def attention_agg(H: int, C: int, slope: float, epilogue: tuple = (), extras: tu
             T.func_name("attention_agg")
             T.func_attr({"tirx.noalias": True})
             n, m, nnz = (tirx.Var(name, "int64") for name in ("n", "m", "nnz"))
-            spec = [("indptr", (n + 1,), "int64"), ("indices", (nnz,), "int32"),
-                    ("s_src", (m, H), f32), ("s_dst", (n, H), f32), ("x", (m, F), f32)]
+            spec = [("indptr", (n + 1,), "int64"), ("indices", (nnz,), "int32")]
+            spec += [("perm", (nnz,), "int64")] if p else []
+            spec += [("s_src", (m, H), f32), ("s_dst", (n, H), f32), ("x", (m, F), f32)]
+            spec += [("step", (), "int32")] if p else []
             spec += [(f"e{k}", epi.shape(kind, n, F), f32)
                      for k, kind in enumerate(extras)]
             spec.append(("out", (n, F), f32))
             bufs = dict(zip([s[0] for s in spec], _args(spec)))
             indptr, indices, x, out = bufs["indptr"], bufs["indices"], bufs["x"], bufs["out"]
             s_src, s_dst = bufs["s_src"], bufs["s_dst"]
+            perm, step = bufs.get("perm"), bufs.get("step")
             extra = [bufs[f"e{k}"] for k in range(len(extras))]
             with _balanced_rows(indptr, n) as i:
                 top = T.alloc_buffer((H,), f32, scope="local")
                 total = T.alloc_buffer((H,), f32, scope="local")
-                p = T.alloc_buffer((H,), f32, scope="local")
+                wt = T.alloc_buffer((H,), f32, scope="local")
 
                 def score(j, h):
                     return leaky(s_src[indices[j], h] + s_dst[i, h], slope)
@@ -244,13 +248,16 @@ def attention_agg(H: int, C: int, slope: float, epilogue: tuple = (), extras: tu
                     _prefetch(x, indices[tirx.min(j + PREFETCH_DISTANCE, nnz - 1)], F)
 
                     def weigh(h):
-                        T.buffer_store(p, fast_exp(score(j, h) - top[h]), [h])
-                        T.buffer_store(total, total[h] + p[h], [h])
+                        T.buffer_store(wt, fast_exp(score(j, h) - top[h]), [h])
+                        T.buffer_store(total, total[h] + wt[h], [h])
+                        if p:
+                            T.buffer_store(wt, wt[h] * drop_factor(perm, j, h, H, step, p, seed),
+                                           [h])
                     _features(H, weigh)
                     src = indices[j]
                     for h in range(H):
                         _features(C, lambda c, h=h: T.buffer_store(
-                            out, out[i, h * C + c] + p[h] * x[src, h * C + c], [i, h * C + c]))
+                            out, out[i, h * C + c] + wt[h] * x[src, h * C + c], [i, h * C + c]))
 
                 def finish(f):
                     t = total[f // C]
@@ -279,7 +286,7 @@ def _head_dots(part, V: int, C: int, h: int, a, b) -> tirx.PrimExpr:
 
 
 @definer("attention_grad_dst", target="llvm")
-def attention_grad_dst(H: int, C: int, slope: float):
+def attention_grad_dst(H: int, C: int, slope: float, p: float = 0.0, seed: int = 0):
     """The destination half of attention's backward per row (see the generic
     ``attention_grad_dst``), all heads in each sweep over the in-edges like the forward:
     the maxima, then per edge the heads' dot products dy_i . x_j of the prefetched source
@@ -292,10 +299,16 @@ def attention_grad_dst(H: int, C: int, slope: float):
             T.func_name("attention_grad_dst")
             T.func_attr({"tirx.noalias": True})
             n, m, nnz = (tirx.Var(name, "int64") for name in ("n", "m", "nnz"))
-            indptr, indices, s_src, s_dst, x, dy, out = _args([
-                ("indptr", (n + 1,), "int64"), ("indices", (nnz,), "int32"),
-                ("s_src", (m, H), f32), ("s_dst", (n, H), f32), ("x", (m, F), f32),
-                ("dy", (n, F), f32), ("out", (n, 4 * H), f32)])
+            spec = [("indptr", (n + 1,), "int64"), ("indices", (nnz,), "int32")]
+            spec += [("perm", (nnz,), "int64")] if p else []
+            spec += [("s_src", (m, H), f32), ("s_dst", (n, H), f32), ("x", (m, F), f32),
+                     ("dy", (n, F), f32)]
+            spec += [("step", (), "int32")] if p else []
+            spec.append(("out", (n, 4 * H), f32))
+            bufs = dict(zip([s[0] for s in spec], _args(spec)))
+            indptr, indices, s_src, s_dst, x, dy, out = (bufs[k] for k in (
+                "indptr", "indices", "s_src", "s_dst", "x", "dy", "out"))
+            perm, step = bufs.get("perm"), bufs.get("step")
             with _balanced_rows(indptr, n) as i:
                 # rows: max score, l, sum p g, sum p g r, sum p r, then g and p of one edge
                 acc = T.alloc_buffer((7, H), f32, scope="local")
@@ -319,16 +332,17 @@ def attention_grad_dst(H: int, C: int, slope: float):
                     _prefetch(s_src, ahead, H)
                     src = indices[j]
                     for h in range(H):
-                        T.buffer_store(acc, _head_dots(part, V, C, h, lambda f: dy[i, f],
-                                                       lambda f: x[src, f]), [5, h])
+                        g = _head_dots(part, V, C, h, lambda f: dy[i, f], lambda f: x[src, f])
+                        T.buffer_store(acc, times(g, drop_factor(perm, j, h, H, step, p, seed)),
+                                       [5, h])
 
                     def weigh(h):
                         T.buffer_store(acc, fast_exp(leaky(z(j, h), slope) - acc[0, h]), [6, h])
-                        p, g, r = acc[6, h], acc[5, h], slope_factor(z(j, h), slope)
-                        T.buffer_store(acc, acc[1, h] + p, [1, h])
-                        T.buffer_store(acc, acc[2, h] + p * g, [2, h])
-                        T.buffer_store(acc, acc[3, h] + p * g * r, [3, h])
-                        T.buffer_store(acc, acc[4, h] + p * r, [4, h])
+                        e, g, r = acc[6, h], acc[5, h], slope_factor(z(j, h), slope)
+                        T.buffer_store(acc, acc[1, h] + e, [1, h])
+                        T.buffer_store(acc, acc[2, h] + e * g, [2, h])
+                        T.buffer_store(acc, acc[3, h] + e * g * r, [3, h])
+                        T.buffer_store(acc, acc[4, h] + e * r, [4, h])
                     _features(H, weigh)
                 with T.serial(0, H) as h:
                     finish_attention_stats(out, i, h, H, s_dst[i, h], lambda k: acc[k, h])
@@ -336,7 +350,7 @@ def attention_grad_dst(H: int, C: int, slope: float):
 
 
 @definer("attention_grad_src", target="llvm")
-def attention_grad_src(H: int, C: int, slope: float):
+def attention_grad_src(H: int, C: int, slope: float, p: float = 0.0, seed: int = 0):
     """The source half of attention's backward per source row (see the generic
     ``attention_grad_src``): for each out-edge, the heads' coefficients (vectorized over
     heads) from the prefetched statistics row of the destination, which holds all it
@@ -352,12 +366,18 @@ def attention_grad_src(H: int, C: int, slope: float):
             T.func_name("attention_grad_src")
             T.func_attr({"tirx.noalias": True})
             n, m, nnz = (tirx.Var(name, "int64") for name in ("n", "m", "nnz"))
-            indptr, indices, s_src, x, dy, stats, out = _args([
-                ("indptr", (n + 1,), "int64"), ("indices", (nnz,), "int32"),
-                ("s_src", (n, H), f32), ("x", (n, F), f32), ("dy", (m, F), f32),
-                ("stats", (m, 4 * H), f32), ("out", (n, F + H), f32)])
+            spec = [("indptr", (n + 1,), "int64"), ("indices", (nnz,), "int32")]
+            spec += [("csc_perm", (nnz,), "int64")] if p else []
+            spec += [("s_src", (n, H), f32), ("x", (n, F), f32), ("dy", (m, F), f32),
+                     ("stats", (m, 4 * H), f32)]
+            spec += [("step", (), "int32")] if p else []
+            spec.append(("out", (n, F + H), f32))
+            bufs = dict(zip([s[0] for s in spec], _args(spec)))
+            indptr, indices, s_src, x, dy, stats, out = (bufs[k] for k in (
+                "indptr", "indices", "s_src", "x", "dy", "stats", "out"))
+            perm, step = bufs.get("csc_perm"), bufs.get("step")
             with _balanced_rows(indptr, n, name="j") as j:
-                coef = T.alloc_buffer((3, H), f32, scope="local")  # a, a r, d s_src
+                coef = T.alloc_buffer((4, H), f32, scope="local")  # a, a r, d s_src, a m
                 part = T.alloc_buffer((V,), f32, scope="local")
                 _features(F, lambda f: T.buffer_store(out, tirx.const(0.0, f32), [j, f]))
                 _features(H, lambda h: T.buffer_store(coef, tirx.const(0.0, f32), [2, h]))
@@ -372,13 +392,16 @@ def attention_grad_src(H: int, C: int, slope: float):
                         T.buffer_store(coef, fast_exp(leaky(zz, slope) - stats[d, 2 * H + h]),
                                        [0, h])
                         T.buffer_store(coef, coef[0, h] * slope_factor(zz, slope), [1, h])
+                        T.buffer_store(coef, times(coef[0, h], drop_factor(
+                            perm, k, h, H, step, p, seed)), [3, h])
                     _features(H, weigh)
                     for h in range(H):
                         g = _head_dots(part, V, C, h, lambda f: x[j, f], lambda f: dy[d, f])
+                        g = times(g, drop_factor(perm, k, h, H, step, p, seed))
                         T.buffer_store(coef, coef[2, h] + coef[1, h] * (g - stats[d, 3 * H + h]),
                                        [2, h])
                         _features(C, lambda c, h=h: T.buffer_store(
-                            out, out[j, h * C + c] + coef[0, h] * dy[d, h * C + c], [j, h * C + c]))
+                            out, out[j, h * C + c] + coef[3, h] * dy[d, h * C + c], [j, h * C + c]))
                 _features(H, lambda h: T.buffer_store(out, coef[2, h], [j, F + h]))
     return ib.get()
 

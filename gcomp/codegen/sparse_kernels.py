@@ -14,6 +14,7 @@ from tvm.script import tirx as T
 
 from gcomp.codegen.aggregate_kernel import _finish
 from gcomp.codegen.fastmath import fast_exp
+from gcomp.codegen.rng_expr import keep
 from gcomp.codegen.kernels import definer
 from gcomp.ir import rng
 
@@ -337,24 +338,6 @@ def aggregate_max_grad(F: int):
     return k
 
 
-def _u32(v):
-    return T.uint32(v & 0xFFFFFFFF)
-
-
-def _keep(index, step, seed: int, p: float):
-    """The dropout keep test of gcomp/ir/rng.py as one expression.
-
-    Built in Python at parse time: TVMScript turns a named intermediate into a local
-    scalar, which the vectorizer would share across lanes.
-    """
-    h = ((T.Cast("uint32", index) * _u32(rng.GOLDEN)) ^ _u32(seed * rng.SEED_MUL)
-         ^ (T.Cast("uint32", step) * _u32(rng.STEP_MUL)))
-    h = (h ^ (h >> T.uint32(16))) * _u32(rng.FMIX1)
-    h = (h ^ (h >> T.uint32(13))) * _u32(rng.FMIX2)
-    h = h ^ (h >> T.uint32(16))
-    return T.Cast("float32", h >> T.uint32(8)) * T.float32(1.0 / (1 << 24)) >= T.float32(p)
-
-
 @definer("dropout")
 def dropout(F: int, p: float, seed: int, edges: bool = False):
     """out = x * keep / (1 - p); keep from the counter hash of gcomp/ir/rng.py.
@@ -381,7 +364,7 @@ def dropout(F: int, p: float, seed: int, edges: bool = False):
                 vi, vf = T.axis.remap("SS", [i, f])
                 T.reads(ids[vi], x[vi, vf], step[()])
                 T.writes(out[vi, vf])
-                out[vi, vf] = T.Select(_keep(ids[vi] * F + vf, step[()], seed, p),
+                out[vi, vf] = T.Select(keep(ids[vi] * F + vf, step[()], seed, p),
                                        x[vi, vf] * T.float32(scale), T.float32(0))
     return k
 
@@ -400,7 +383,7 @@ def _dropout_edges(F: int, p: float, seed: int, scale: float):
                 vi, vf = T.axis.remap("SS", [i, f])
                 T.reads(perm[vi], x[vi, vf], step[()])
                 T.writes(out[vi, vf])
-                out[vi, vf] = T.Select(_keep(perm[vi] * F + vf, step[()], seed, p),
+                out[vi, vf] = T.Select(keep(perm[vi] * F + vf, step[()], seed, p),
                                        x[vi, vf] * T.float32(scale), T.float32(0))
     return k
 
@@ -428,6 +411,6 @@ def dropout_nnz(F: int, p: float, seed: int):
                 T.reads(ids[0:n], rows[vj], cols[vj], vals[vj, 0], step[()])
                 T.writes(out[vj, 0])
                 out[vj, 0] = T.Select(
-                    _keep(ids[rows[vj]] * F + T.Cast("int64", cols[vj]), step[()],
+                    keep(ids[rows[vj]] * F + T.Cast("int64", cols[vj]), step[()],
                           seed, p), vals[vj, 0] * T.float32(scale), T.float32(0))
     return k

@@ -155,18 +155,24 @@ def _expand_weight(w: np.ndarray, x_ndim: int) -> np.ndarray:
     return w.reshape(w.shape + (1,) * (x_ndim - w.ndim))
 
 
-def _attention(g: RefGraph, s_src, s_dst, slope: float):
-    """GAT's coefficients a [E, H] and d e / d z [E, H] (e = leaky_relu(z))."""
+def _attention(g: RefGraph, s_src, s_dst, a: dict, step=None):
+    """GAT's coefficients a [E, H], d e / d z [E, H] (e = leaky_relu(z)) and the
+    dropout factors m [E, H] (keep / (1 - p), as ``dropout`` of the coefficients)."""
+    slope = a["negative_slope"]
     z = s_src[g.src] + s_dst[g.dst]
-    return _edge_softmax(g, np.where(z > 0, z, slope * z)), np.where(z > 0, 1.0, slope)
+    m = np.ones(z.shape)
+    if a["p"] > 0:
+        m = keep_mask(a["seed"], int(step), z.shape, a["p"]) / (1.0 - a["p"])
+    return _edge_softmax(g, np.where(z > 0, z, slope * z)), np.where(z > 0, 1.0, slope), m
 
 
-def _attention_grad(op: Op, slope: float, g: RefGraph, x, s_src, s_dst, dy):
+def _attention_grad(op: Op, a: dict, g: RefGraph, x, s_src, s_dst, dy, step=None):
     """The two halves of attention's backward, from per-edge tensors (see ops.py)."""
-    alpha, r = _attention(g, s_src, s_dst, slope)
+    alpha, r, m = _attention(g, s_src, s_dst, a, step)
+    slope = a["negative_slope"]
     n, H = s_src.shape
     xs, dys = x.reshape(n, H, -1), dy.reshape(n, H, -1)
-    dot = (dys[g.dst] * xs[g.src]).sum(-1)                 # dy_i . x_j      [E, H]
+    dot = m * (dys[g.dst] * xs[g.src]).sum(-1)             # m dy_i . x_j   [E, H]
     D = _scatter(g, alpha * dot, "sum", g.dst)             # dy_i . y_i      [N, H]
     dz = alpha * r * (dot - D[g.dst])                      # d loss / d z_ji [E, H]
     if op == Op.ATTENTION_GRAD_DST:
@@ -180,7 +186,7 @@ def _attention_grad(op: Op, slope: float, g: RefGraph, x, s_src, s_dst, dy):
         np.add.at(lse, g.dst, np.exp(e - mx[g.dst]))
         lse = np.where(has, mx + np.log(np.where(has, lse, 1.0)), 0.0)
         return np.concatenate([_scatter(g, dz, "sum", g.dst), s_dst, lse, D], axis=1)
-    dx = _scatter(g, dys[g.dst] * alpha[..., None], "sum", g.src).reshape(n, -1)
+    dx = _scatter(g, dys[g.dst] * (alpha * m)[..., None], "sum", g.src).reshape(n, -1)
     return np.concatenate([dx, _scatter(g, dz, "sum", g.src)], axis=1)
 
 
@@ -302,15 +308,15 @@ def evaluate_node(n, args: list, num_nodes: int):
     if op == Op.EDGE_SOFTMAX:
         return _edge_softmax(args[0], args[1])
     if op == Op.ATTENTION_AGGREGATE:
-        g, x, s_src, s_dst = args
-        alpha, _ = _attention(g, s_src, s_dst, a["negative_slope"])
-        return _scatter(g, x[g.src] * _expand_weight(alpha, x.ndim), "sum", g.dst)
+        g, x, s_src, s_dst = args[:4]
+        alpha, _, m = _attention(g, s_src, s_dst, a, *args[4:])
+        return _scatter(g, x[g.src] * _expand_weight(alpha * m, x.ndim), "sum", g.dst)
     if op == Op.ATTENTION_GRAD_DST:
-        return _attention_grad(op, a["negative_slope"], *args)
+        return _attention_grad(op, a, *args)
     if op == Op.ATTENTION_GRAD_SRC:  # s_dst from the statistics
-        g, x, s_src, dy, stats = args
+        g, x, s_src, dy, stats = args[:5]
         H = s_src.shape[1]
-        return _attention_grad(op, a["negative_slope"], g, x, s_src, stats[:, H:2 * H], dy)
+        return _attention_grad(op, a, g, x, s_src, stats[:, H:2 * H], dy, *args[5:])
     if op == Op.MATMUL:
         x, w = args
         return (x.T @ w) if a["trans_a"] else x @ (w.T if a["trans_b"] else w)

@@ -12,11 +12,13 @@ Semantics (the interpreter in ``gcomp/ir/interpreter.py`` is normative):
 ``scatter(g, e)``         out[i] = reduce over edges e into i of e[e]
 ``gather(g, x)``          out[e] = x[src(e)] (side="src") or x[dst(e)] (side="dst")
 ``edge_softmax(g, e)``    softmax of e over the in-edges of each destination
-``attention_aggregate(g, x, s_src, s_dst)``  GAT's attention in one op (made by the
-                          ``fuse_attention`` pass): with x [N, H, ...] and scores
+``attention_aggregate(g, x, s_src, s_dst[, step])``  GAT's attention in one op (made by
+                          the ``fuse_attention`` pass): with x [N, H, ...] and scores
                           [N, H], out[i, h] = sum over edges (j -> i) of
                           softmax_j(leaky_relu(s_src[j, h] + s_dst[i, h])) * x[j, h]
-                          (``negative_slope`` 1: no leaky_relu)
+                          (``negative_slope`` 1: no leaky_relu); with ``p`` > 0 each
+                          coefficient [e, h] is dropped as ``dropout[p, seed](a,
+                          step)`` drops element e * H + h of the [E, H] coefficients
 ``degree(g[, w])``        (weighted) number of in-edges (side="in") or out-edges
 ``sym_norm(g[, w])``      w_e / sqrt(deg_in(src) * deg_in(dst)), 0 where a degree is 0
 ``self_loops(g)``         a new graph: mode "add_remaining" removes every self
@@ -44,18 +46,21 @@ none) and ``aggregate_max_grad`` / ``scatter_max_grad`` (route dy to it).
 
 The backward of ``y = attention_aggregate(g, x, s_src, s_dst)``, with
 a_ji = softmax over the in-edges of i of e_ji = leaky_relu(z_ji), z_ji = s_src[j] +
-s_dst[i], r_ji = d e_ji / d z_ji (1 or the slope) and dy given, per head:
-``attention_grad_dst(g, x, s_src, s_dst, dy)``  f32[N, 4H], per destination i:
+s_dst[i], r_ji = d e_ji / d z_ji (1 or the slope), m_ji the dropout factor (keep / (1
+- p), 1 without dropout) and dy given, per head (both take the forward's ``p``, ``seed``
+and ``step``):
+``attention_grad_dst(g, x, s_src, s_dst, dy[, step])``  f32[N, 4H], per destination i:
                           columns [0, H) d loss / d s_dst[i] = sum_j a_ji r_ji
-                          (dy_i . x_j - D_i); [H, 2H) s_dst[i]; [2H, 3H) the
-                          log-sum-exp of e_ji over j; [3H, 4H) D_i = sum_j a_ji dy_i .
-                          x_j (= dy_i . y_i).  0 for a node without in-edges but s_dst.
-``attention_grad_src(g, x, s_src, dy, stats)``  f32[N, H*C + H] with stats from
+                          (m_ji dy_i . x_j - D_i); [H, 2H) s_dst[i]; [2H, 3H) the
+                          log-sum-exp of e_ji over j; [3H, 4H) D_i = sum_j a_ji m_ji
+                          dy_i . x_j (= dy_i . y_i).  0 for a node without in-edges but
+                          s_dst.
+``attention_grad_src(g, x, s_src, dy, stats[, step])``  f32[N, H*C + H] with stats from
                           ``attention_grad_dst`` (a destination's row holds all the
                           source pass reads of it), per source j over its out-edges:
-                          columns [0, H*C) d loss / d x[j] = sum_i a_ji dy_i (x
+                          columns [0, H*C) d loss / d x[j] = sum_i a_ji m_ji dy_i (x
                           flattened), [H*C, H*C + H) d loss / d s_src[j] = sum_i a_ji
-                          r_ji (dy_i . x_j - D_i).
+                          r_ji (m_ji dy_i . x_j - D_i).
 """
 
 from __future__ import annotations
@@ -286,6 +291,17 @@ def _infer_aggregate(node) -> Type:
     return x
 
 
+def _attention_dropout(node, arity: int) -> None:
+    """A fused attention op's optional dropout: p in [0, 1), a step input iff p > 0."""
+    p = node.attrs["p"]
+    if not 0.0 <= p < 1.0:
+        _fail(node, f"attention dropout probability must be in [0, 1), got {p}")
+    if (len(node.inputs) > arity) != (p > 0):
+        _fail(node, "a step input comes with attention dropout (p > 0), and only then")
+    if p > 0 and node.inputs[arity].ty != TensorType((), "int32"):
+        _fail(node, f"the step input must be i32[], got {node.inputs[arity].ty}")
+
+
 def _infer_attention_aggregate(node) -> Type:
     _graph(node, 0)
     x = _node_tensor(node, 1)
@@ -293,6 +309,8 @@ def _infer_attention_aggregate(node) -> Type:
         s = _node_tensor(node, k)
         if s.rank != 2 or x.rank < 2 or s.shape[1] != x.shape[1]:
             _fail(node, f"scores {s} must be [N, H] with H = axis 1 of {x}")
+    if node.op == Op.ATTENTION_AGGREGATE:
+        _attention_dropout(node, 4)
     return x
 
 
@@ -304,6 +322,7 @@ def _attention_dy(node, x: TensorType, i: int) -> None:
 def _infer_attention_grad_dst(node) -> Type:
     x = _infer_attention_aggregate(node)
     _attention_dy(node, x, 4)
+    _attention_dropout(node, 5)
     return TensorType((N, 4 * int(x.shape[1])), "float32")
 
 
@@ -316,6 +335,7 @@ def _infer_attention_grad_src(node) -> Type:
     _attention_dy(node, x, 3)
     if _node_tensor(node, 4).shape[1:] != (4 * H,):
         _fail(node, f"stats {node.inputs[4].ty} must be [N, {4 * H}] (attention_grad_dst)")
+    _attention_dropout(node, 5)
     return TensorType((N, int(prod(x.shape[1:])) + H), "float32")
 
 
@@ -522,6 +542,8 @@ def _infer_max_grad(node) -> Type:
 _side = AttrSpec(default="src", choices=("src", "dst"))
 _reduce = AttrSpec(default="sum", choices=REDUCTIONS)
 _axis = AttrSpec(default=-1, kind=int)
+_ATTENTION_ATTRS = {"negative_slope": _num(default=0.2), "p": _num(default=0.0),
+                    "seed": AttrSpec(default=0, kind=int)}
 
 OPS: dict[Op, OpDef] = {d.op: d for d in [
     OpDef(Op.INPUT, (0, 0)),
@@ -542,8 +564,7 @@ OPS: dict[Op, OpDef] = {d.op: d for d in [
                                  "flow": AttrSpec(default="in", choices=("in", "out"))},
           _infer_aggregate),
     OpDef(Op.EDGE_SOFTMAX, (2, 2), {}, _infer_edge_softmax),
-    OpDef(Op.ATTENTION_AGGREGATE, (4, 4), {"negative_slope": _num(default=0.2)},
-          _infer_attention_aggregate),
+    OpDef(Op.ATTENTION_AGGREGATE, (4, 5), _ATTENTION_ATTRS, _infer_attention_aggregate),
     OpDef(Op.MATMUL, (2, 2), {"trans_a": AttrSpec(default=False, kind=bool),
                               "trans_b": AttrSpec(default=False, kind=bool)}, _infer_matmul),
     OpDef(Op.BIAS_ADD, (2, 2), {}, _infer_bias_add),
@@ -579,10 +600,8 @@ OPS: dict[Op, OpDef] = {d.op: d for d in [
     OpDef(Op.SCATTER_ARGMAX, (2, 2), {}, _infer_argmax),
     OpDef(Op.AGGREGATE_MAX_GRAD, (3, 3), {}, _infer_max_grad),
     OpDef(Op.SCATTER_MAX_GRAD, (3, 3), {}, _infer_max_grad),
-    OpDef(Op.ATTENTION_GRAD_DST, (5, 5), {"negative_slope": _num(default=0.2)},
-          _infer_attention_grad_dst),
-    OpDef(Op.ATTENTION_GRAD_SRC, (5, 5), {"negative_slope": _num(default=0.2)},
-          _infer_attention_grad_src),
+    OpDef(Op.ATTENTION_GRAD_DST, (5, 6), _ATTENTION_ATTRS, _infer_attention_grad_dst),
+    OpDef(Op.ATTENTION_GRAD_SRC, (5, 6), _ATTENTION_ATTRS, _infer_attention_grad_src),
 ]}
 
 

@@ -202,14 +202,14 @@ def _vjp(b: _Builder, n: Node, dy: Node, needs) -> list[tuple[int, Node]]:
         g, x = ins[0], ins[1]
         H = int(x.ty.shape[1])
         F = int(prod(x.ty.shape[1:]))
-        slope = a["negative_slope"]
-        stats = b(Op.ATTENTION_GRAD_DST, [g, x, ins[2], ins[3], dy], f"{h}.dst",
-                  negative_slope=slope)
+        same = dict(a)  # slope and dropout (its step input rides at the end)
+        step = list(ins[4:])
+        stats = b(Op.ATTENTION_GRAD_DST, [g, x, ins[2], ins[3], dy] + step, f"{h}.dst", **same)
         if want(3):
             out.append((3, b(Op.SLICE, [stats], h, axis=1, start=0, stop=H)))
         if want(1) or want(2):
-            both = b(Op.ATTENTION_GRAD_SRC, [g, x, ins[2], dy, stats], f"{h}.src",
-                     negative_slope=slope)
+            both = b(Op.ATTENTION_GRAD_SRC, [g, x, ins[2], dy, stats] + step, f"{h}.src",
+                     **same)
             if want(1):
                 out.append((1, b.reshape(b(Op.SLICE, [both], h, axis=1, start=0, stop=F),
                                          x.ty.shape, h)))

@@ -3,7 +3,8 @@
 Expects: aggregations already fused (run after ``fuse_aggregate``).
 Guarantees: every ``aggregate[reduce="sum", flow="in"](g, x, w)`` whose weight is
 the softmax over in-edges of ``leaky_relu(gather(s_src, src) + gather(s_dst, dst))``
-(the leaky_relu optional; ``w`` possibly reshaped to [E] when there is one head),
+(the leaky_relu optional; ``w`` possibly reshaped to [E] when there is one head, and
+possibly ``dropout`` of the coefficients, which the op then applies per edge and head),
 with scores ``s_src``, ``s_dst`` [N, H] matching x [N, H, C] and every edge-space
 intermediate used by that chain alone, becomes
 ``attention_aggregate[negative_slope](g, x, s_src, s_dst)``.  The [E, H] edge
@@ -11,8 +12,8 @@ tensors (two gathered scores, their sum, its leaky_relu, the coefficients) are
 then dead: the kernel computes each destination's scores, softmax and weighted
 sum in one pass over its in-edges (DF-GNN's fusion).  In training it runs
 before autodiff, whose rule for the fused op is a fused backward (two passes, no
-edge tensor either).  A coefficient that something else reads (dropout on
-attention) keeps the unfused form.
+edge tensor either).  A coefficient that something else reads keeps the unfused
+form.
 
     Before:  %a = gather[side="src"](%g, %s) : f32[E(g),4]
              %b = gather[side="dst"](%g, %d) : f32[E(g),4]
@@ -48,6 +49,11 @@ def do_fuse(n):
     if w.op == Op.RESHAPE:
         chain.append((w.inputs[0], w))
         w = w.inputs[0]
+    drop = {}
+    if w.op == Op.DROPOUT:  # of the coefficients: hashed per edge and head in the kernels
+        drop = {"p": w.attrs["p"], "seed": w.attrs["seed"], "step": w.inputs[1]}
+        chain.append((w.inputs[0], w))
+        w = w.inputs[0]
     if w.op != Op.EDGE_SOFTMAX or w.inputs[0] is not g:
         return None
     e = w.inputs[1]
@@ -68,8 +74,13 @@ def do_fuse(n):
             return None
         if not all(_only_user(v, u) for v, u in chain + [(a, e), (b, e)]):
             return None
-        fused = n.graph.create_node(Op.ATTENTION_AGGREGATE, [g, x, s_src, s_dst],
-                                    {"negative_slope": slope}, name=n.graph.fresh_name(n.name))
+        attrs = {"negative_slope": slope}
+        inputs = [g, x, s_src, s_dst]
+        if drop and drop["p"] > 0:
+            attrs.update(p=drop["p"], seed=drop["seed"])
+            inputs.append(drop["step"])
+        fused = n.graph.create_node(Op.ATTENTION_AGGREGATE, inputs, attrs,
+                                    name=n.graph.fresh_name(n.name))
         # for gcomp explain: the edge tensors that no longer exist
         fused.meta["replaces"] = [f"{v.op.value} %{v.name}"
                                   for v, _ in chain[::-1] + [(a, e), (b, e)]

@@ -15,7 +15,8 @@ edge in the parent, or -1 for a new self loop (the last existing loop of a node
 when mode is ``add_remaining``, as PyG's add_remaining_self_loops keeps it).
 ``csc_indptr`` / ``csc_indices`` / ``csc_eid``: edges grouped by source (the
 transposed graph); ``csc_indices`` holds each out-edge's destination and
-``csc_eid`` the CSR position of its edge (out-degrees, backward passes).
+``csc_eid`` the CSR position of its edge (out-degrees, backward passes);
+``csc_perm`` its canonical id.
 
 Arrays are computed on first use, so a plan that never needs CSC never pays
 for it.
@@ -56,6 +57,11 @@ class GraphStructure:
     @cached_property
     def csc_eid(self) -> np.ndarray:
         return np.argsort(self.indices, kind="stable").astype(np.int64)
+
+    @cached_property
+    def csc_perm(self) -> np.ndarray:
+        """Canonical id of each out-edge, in CSC order (dropout masks hashed per edge)."""
+        return self.perm[self.csc_eid]
 
     @cached_property
     def csc_indices(self) -> np.ndarray:
