@@ -1,7 +1,7 @@
 """GAT with and without the fused attention kernels (``fuse_attention``).
 
     python -m bench.attention [--mode inference|training] [--graph arxiv-synth]
-                              [--heads 4] [--reps 9]
+                              [--heads 4] [--dropout 0.0] [--reps 9]
 
 Both artifacts compile the same 3-layer GAT (hidden 32) from the same weights; the
 unfused one disables the pass (scores gathered per edge, ``edge_softmax``, weighted
@@ -34,6 +34,8 @@ def main(argv=None) -> dict:
     p.add_argument("--mode", choices=("inference", "training"), default="inference")
     p.add_argument("--graph", default="arxiv-synth")
     p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--dropout", type=float, default=0.0,
+                   help="dropout of the features and of the attention coefficients")
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
@@ -49,7 +51,7 @@ def main(argv=None) -> dict:
 
     g = load_graph(args.graph)
     m = models.build("gat", g.num_features, hidden=32, out_channels=int(g.y.max()) + 1,
-                     layers=3, heads=args.heads)
+                     layers=3, heads=args.heads, dropout=args.dropout)
     train = args.mode == "training"
     arts = {"fused": compile_model(m, train=train),
             "unfused": compile_model(m, train=train,
@@ -90,18 +92,21 @@ def main(argv=None) -> dict:
            "command": "python -m bench.attention " + " ".join(sys.argv[1:] if argv is None
                                                                else argv),
            "machine": machine(), "versions": versions(), "threads": args.threads,
-           "mode": args.mode, "graph": args.graph, "heads": args.heads, "max_rel_diff": diff,
+           "mode": args.mode, "graph": args.graph, "heads": args.heads, "dropout": args.dropout,
+           "max_rel_diff": diff,
            "times_ms": times, "median_ms": med, "edge_tensor_bytes": edge_bytes,
            "planned_bytes": planned,
            "speedup": med["unfused"] / med["fused"]}
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = "attention" + ("-training" if train else "")
+    stem = "attention" + ("-training" if train else "") + (
+        f"-dropout{args.dropout:g}" if args.dropout else "")
     (args.out / f"{stem}.json").write_text(json.dumps(res, indent=1))
     mach = res["machine"]
     what = "training step (forward, backward, Adam)" if train else "forward"
     md = [f"# GAT {args.mode}: fused attention vs unfused ({res['date_utc']})", "",
           f"{mach['cpu_model']}, {mach['cores_available']} cores; threads {args.threads}; "
-          f"`{res['command']}`; {args.graph}, 3 layers, hidden 32, {args.heads} heads", "",
+          f"`{res['command']}`; {args.graph}, 3 layers, hidden 32, {args.heads} heads, "
+          f"dropout {args.dropout:g}", "",
           f"| plan | median ms per {what} | edge tensors (MB) | planned memory (MB) |",
           "|---|---|---|---|"]
     for name in ("fused", "unfused"):

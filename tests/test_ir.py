@@ -42,6 +42,9 @@ def test_parser_checks_written_types():
         parse_graph(text)
 
 
+_ATT = "graph t(%x: f32[N,2,2], %s: f32[N,2], %g: graph<coo>, %k: i32[]) {\n"
+
+
 @pytest.mark.parametrize("text,msg", [
     ("graph t(%x: f32[N,4]) {\n  %y = relu(%z) : f32[N,4]\n  return %y\n}", "used before"),
     ("graph t(%x: f32[N,4]) {\n  %y = frobnicate(%x) : f32[N,4]\n  return %y\n}", "unknown op"),
@@ -52,6 +55,10 @@ def test_parser_checks_written_types():
      "  return %y\n}", "must be a graph"),
     ("graph t(%x: f32[N,4]) {\n  %y = relu(%x) : f32[N,4]\n  %y = relu(%x) : f32[N,4]\n"
      "  return %y\n}", "duplicate"),
+    (_ATT + "  %y = attention_aggregate[p=0.3](%g, %x, %s, %s) : f32[N,2,2]\n  return %y\n}",
+     "a step input comes with attention dropout"),
+    (_ATT + "  %y = attention_aggregate[p=1.5](%g, %x, %s, %s, %k) : f32[N,2,2]\n"
+     "  return %y\n}", "dropout probability must be in"),
 ])
 def test_parser_errors(text, msg):
     with pytest.raises(IRError, match=msg):

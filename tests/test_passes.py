@@ -409,3 +409,21 @@ def test_autodiff_of_fused_attention():
     assert any(f"slice[axis=1, start=0, stop=6]({both})" in ln for ln in slices), slices
     assert any(f"slice[axis=1, start=6, stop=8]({both})" in ln for ln in slices), slices
     assert not any(f"({stats})" in ln for ln in slices)  # d needs no gradient
+
+
+def test_fuse_attention_with_dropout_of_the_coefficients():
+    before = """graph t(%x: f32[N,2,3], %s: f32[N,2], %d: f32[N,2], %g: graph<coo>, %k: i32[]) {
+  %a = gather(%g, %s) : f32[E(g),2]
+  %b = gather[side="dst"](%g, %d) : f32[E(g),2]
+  %e = add(%a, %b) : f32[E(g),2]
+  %l = leaky_relu[alpha=0.1](%e) : f32[E(g),2]
+  %w = edge_softmax(%g, %l) : f32[E(g),2]
+  %m = dropout[p=0.3, seed=4](%w, %k) : f32[E(g),2]
+  %y = aggregate(%g, %x, %m) : f32[N,2,3]
+  return %y
+}"""
+    expected = """graph t(%x: f32[N,2,3], %s: f32[N,2], %d: f32[N,2], %g: graph<coo>, %k: i32[]) {
+  %y = attention_aggregate[negative_slope=0.1, p=0.3, seed=4](%g, %x, %s, %d, %k) : f32[N,2,3]
+  return %y
+}"""
+    same(run_pass(FuseAttention(), before), expected)
