@@ -117,6 +117,27 @@ def times(v, factor):
     return v if factor is None else v * factor
 
 
+def attention_spec(kind: str, n, m, nnz, H: int, C: int, p: float, extras: tuple = ()) -> list:
+    """The arguments of fused attention kernel ``kind``, in order, as (name, shape, dtype):
+    ``attention_agg`` and ``attention_grad_dst`` walk in-edges (CSR: ``m`` source rows),
+    ``attention_grad_src`` out-edges (CSC: ``m`` destination rows); with dropout (p > 0)
+    the edges' canonical ids follow the graph arrays and the step counter the tensors."""
+    F, f32 = H * C, "float32"
+    by_src = kind == "attention_grad_src"
+    spec = [("indptr", (n + 1,), "int64"), ("indices", (nnz,), "int32")]
+    spec += [("csc_perm" if by_src else "perm", (nnz,), "int64")] if p else []
+    if by_src:
+        spec += [("s_src", (n, H), f32), ("x", (n, F), f32), ("dy", (m, F), f32),
+                 ("stats", (m, 4 * H), f32)]
+    else:
+        spec += [("s_src", (m, H), f32), ("s_dst", (n, H), f32), ("x", (m, F), f32)]
+        spec += [("dy", (n, F), f32)] if kind == "attention_grad_dst" else []
+    spec += [("step", (), "int32")] if p else []
+    spec += [(f"e{k}", epi.shape(e, n, F), f32) for k, e in enumerate(extras)]
+    width = {"attention_agg": F, "attention_grad_dst": 4 * H, "attention_grad_src": F + H}
+    return spec + [("out", (n, width[kind]), f32)]
+
+
 def leaky(v, slope: float):
     """leaky_relu(v); slope 1 is the identity."""
     if slope == 1.0:
@@ -142,7 +163,6 @@ def attention_agg(H: int, C: int, slope: float, p: float = 0.0, seed: int = 0,
     Arguments: indptr, indices, [perm (nnz), with dropout], s_src (m x H), s_dst (n x H),
     x (m x H*C), [step, with dropout], extras..., out (n x H*C).
     """
-    F = H * C
     f32 = "float32"
     with IRBuilder() as ib:
         with T.prim_func(s_tir=True):
@@ -150,16 +170,12 @@ def attention_agg(H: int, C: int, slope: float, p: float = 0.0, seed: int = 0,
             T.func_attr({"tirx.noalias": True})
             n, m, nnz = (tirx.Var(name, "int64") for name in ("n", "m", "nnz"))
 
-            indptr = arg("indptr", (n + 1,), "int64")
-            indices = arg("indices", (nnz,), "int32")
-            perm = arg("perm", (nnz,), "int64") if p else None
-            s_src = arg("s_src", (m, H), f32)
-            s_dst = arg("s_dst", (n, H), f32)
-            x = arg("x", (m, F), f32)
-            step = arg("step", (), "int32") if p else None
-            extra = [arg(f"e{k}", epi.shape(kind, n, F), f32)
-                     for k, kind in enumerate(extras)]
-            out = arg("out", (n, F), f32)
+            b = {name: arg(name, shape, dt) for name, shape, dt in attention_spec(
+                "attention_agg", n, m, nnz, H, C, p, extras)}
+            indptr, indices, s_src, s_dst, x, out = (b[k] for k in (
+                "indptr", "indices", "s_src", "s_dst", "x", "out"))
+            perm, step = b.get("perm"), b.get("step")
+            extra = [b[f"e{k}"] for k in range(len(extras))]
             stat = T.sblock_alloc_buffer((n, H, C, 2), f32)
             IRBuilder.name("stat", stat)
             with T.grid(n, H, C) as (i, h, c):
@@ -211,22 +227,17 @@ def attention_grad_dst(H: int, C: int, slope: float, p: float = 0.0, seed: int =
 
     Arguments: indptr, indices, [perm], s_src (m x H), s_dst (n x H), x (m x H*C), dy (n x
     H*C), [step], out (n x 4H)."""
-    F = H * C
     f32 = "float32"
     with IRBuilder() as ib:
         with T.prim_func(s_tir=True):
             T.func_name("attention_grad_dst")
             T.func_attr({"tirx.noalias": True})
             n, m, nnz = (tirx.Var(name, "int64") for name in ("n", "m", "nnz"))
-            indptr = arg("indptr", (n + 1,), "int64")
-            indices = arg("indices", (nnz,), "int32")
-            perm = arg("perm", (nnz,), "int64") if p else None
-            s_src = arg("s_src", (m, H), f32)
-            s_dst = arg("s_dst", (n, H), f32)
-            x = arg("x", (m, F), f32)
-            dy = arg("dy", (n, F), f32)
-            step = arg("step", (), "int32") if p else None
-            out = arg("out", (n, 4 * H), f32)
+            b = {name: arg(name, shape, dt) for name, shape, dt in attention_spec(
+                "attention_grad_dst", n, m, nnz, H, C, p)}
+            indptr, indices, s_src, s_dst, x, dy, out = (b[k] for k in (
+                "indptr", "indices", "s_src", "s_dst", "x", "dy", "out"))
+            perm, step = b.get("perm"), b.get("step")
             # per (row, head): max, l, sum p g, sum p g r, sum p r, the dot product
             stat = T.sblock_alloc_buffer((n, H, 6), f32)
             IRBuilder.name("stat", stat)
@@ -299,15 +310,11 @@ def attention_grad_src(H: int, C: int, slope: float, p: float = 0.0, seed: int =
             T.func_name("attention_grad_src")
             T.func_attr({"tirx.noalias": True})
             n, m, nnz = (tirx.Var(name, "int64") for name in ("n", "m", "nnz"))
-            indptr = arg("indptr", (n + 1,), "int64")
-            indices = arg("indices", (nnz,), "int32")
-            perm = arg("csc_perm", (nnz,), "int64") if p else None
-            s_src = arg("s_src", (n, H), f32)
-            x = arg("x", (n, F), f32)
-            dy = arg("dy", (m, F), f32)
-            stats = arg("stats", (m, 4 * H), f32)
-            step = arg("step", (), "int32") if p else None
-            out = arg("out", (n, F + H), f32)
+            b = {name: arg(name, shape, dt) for name, shape, dt in attention_spec(
+                "attention_grad_src", n, m, nnz, H, C, p)}
+            indptr, indices, s_src, x, dy, stats, out = (b[k] for k in (
+                "indptr", "indices", "s_src", "x", "dy", "stats", "out"))
+            perm, step = b.get("csc_perm"), b.get("step")
             stat = T.sblock_alloc_buffer((n, H, 2), f32)  # d s_src, the dot product
             IRBuilder.name("stat", stat)
             with T.grid(n, H) as (i, h):

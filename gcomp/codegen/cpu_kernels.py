@@ -35,8 +35,9 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
 from gcomp.codegen import epilogue as epi
-from gcomp.codegen.aggregate_kernel import (NEG_INF, _finish, arg, drop_factor,
-                                            finish_attention_stats, leaky, slope_factor, times)
+from gcomp.codegen.aggregate_kernel import (NEG_INF, _finish, arg, attention_spec,
+                                            drop_factor, finish_attention_stats, leaky,
+                                            slope_factor, times)
 from gcomp.codegen.dense_kernels import _lanes
 from gcomp.codegen.fastmath import fast_exp
 from gcomp.codegen.kernels import definer
@@ -218,13 +219,7 @@ def attention_agg(H: int, C: int, slope: float, p: float = 0.0, seed: int = 0,
             T.func_name("attention_agg")
             T.func_attr({"tirx.noalias": True})
             n, m, nnz = (tirx.Var(name, "int64") for name in ("n", "m", "nnz"))
-            spec = [("indptr", (n + 1,), "int64"), ("indices", (nnz,), "int32")]
-            spec += [("perm", (nnz,), "int64")] if p else []
-            spec += [("s_src", (m, H), f32), ("s_dst", (n, H), f32), ("x", (m, F), f32)]
-            spec += [("step", (), "int32")] if p else []
-            spec += [(f"e{k}", epi.shape(kind, n, F), f32)
-                     for k, kind in enumerate(extras)]
-            spec.append(("out", (n, F), f32))
+            spec = attention_spec("attention_agg", n, m, nnz, H, C, p, extras)
             bufs = dict(zip([s[0] for s in spec], _args(spec)))
             indptr, indices, x, out = bufs["indptr"], bufs["indices"], bufs["x"], bufs["out"]
             s_src, s_dst = bufs["s_src"], bufs["s_dst"]
@@ -299,12 +294,7 @@ def attention_grad_dst(H: int, C: int, slope: float, p: float = 0.0, seed: int =
             T.func_name("attention_grad_dst")
             T.func_attr({"tirx.noalias": True})
             n, m, nnz = (tirx.Var(name, "int64") for name in ("n", "m", "nnz"))
-            spec = [("indptr", (n + 1,), "int64"), ("indices", (nnz,), "int32")]
-            spec += [("perm", (nnz,), "int64")] if p else []
-            spec += [("s_src", (m, H), f32), ("s_dst", (n, H), f32), ("x", (m, F), f32),
-                     ("dy", (n, F), f32)]
-            spec += [("step", (), "int32")] if p else []
-            spec.append(("out", (n, 4 * H), f32))
+            spec = attention_spec("attention_grad_dst", n, m, nnz, H, C, p)
             bufs = dict(zip([s[0] for s in spec], _args(spec)))
             indptr, indices, s_src, s_dst, x, dy, out = (bufs[k] for k in (
                 "indptr", "indices", "s_src", "s_dst", "x", "dy", "out"))
@@ -366,12 +356,7 @@ def attention_grad_src(H: int, C: int, slope: float, p: float = 0.0, seed: int =
             T.func_name("attention_grad_src")
             T.func_attr({"tirx.noalias": True})
             n, m, nnz = (tirx.Var(name, "int64") for name in ("n", "m", "nnz"))
-            spec = [("indptr", (n + 1,), "int64"), ("indices", (nnz,), "int32")]
-            spec += [("csc_perm", (nnz,), "int64")] if p else []
-            spec += [("s_src", (n, H), f32), ("x", (n, F), f32), ("dy", (m, F), f32),
-                     ("stats", (m, 4 * H), f32)]
-            spec += [("step", (), "int32")] if p else []
-            spec.append(("out", (n, F + H), f32))
+            spec = attention_spec("attention_grad_src", n, m, nnz, H, C, p)
             bufs = dict(zip([s[0] for s in spec], _args(spec)))
             indptr, indices, s_src, x, dy, stats, out = (bufs[k] for k in (
                 "indptr", "indices", "s_src", "x", "dy", "stats", "out"))
