@@ -138,6 +138,15 @@ def attention_spec(kind: str, n, m, nnz, H: int, C: int, p: float, extras: tuple
     return spec + [("out", (n, width[kind]), f32)]
 
 
+def attention_buffers(kind: str, H: int, C: int, p: float, extras: tuple = ()):
+    """Declare fused attention kernel ``kind``'s arguments (``attention_spec``) in the
+    PrimFunc being built: (buffers by name, n, m, nnz)."""
+    n, m, nnz = (tirx.Var(name, "int64") for name in ("n", "m", "nnz"))
+    bufs = {name: arg(name, shape, dt)
+            for name, shape, dt in attention_spec(kind, n, m, nnz, H, C, p, extras)}
+    return bufs, n, m, nnz
+
+
 def leaky(v, slope: float):
     """leaky_relu(v); slope 1 is the identity."""
     if slope == 1.0:
@@ -168,10 +177,7 @@ def attention_agg(H: int, C: int, slope: float, p: float = 0.0, seed: int = 0,
         with T.prim_func(s_tir=True):
             T.func_name("attention_agg")
             T.func_attr({"tirx.noalias": True})
-            n, m, nnz = (tirx.Var(name, "int64") for name in ("n", "m", "nnz"))
-
-            b = {name: arg(name, shape, dt) for name, shape, dt in attention_spec(
-                "attention_agg", n, m, nnz, H, C, p, extras)}
+            b, n, m, nnz = attention_buffers("attention_agg", H, C, p, extras)
             indptr, indices, s_src, s_dst, x, out = (b[k] for k in (
                 "indptr", "indices", "s_src", "s_dst", "x", "out"))
             perm, step = b.get("perm"), b.get("step")
@@ -232,9 +238,7 @@ def attention_grad_dst(H: int, C: int, slope: float, p: float = 0.0, seed: int =
         with T.prim_func(s_tir=True):
             T.func_name("attention_grad_dst")
             T.func_attr({"tirx.noalias": True})
-            n, m, nnz = (tirx.Var(name, "int64") for name in ("n", "m", "nnz"))
-            b = {name: arg(name, shape, dt) for name, shape, dt in attention_spec(
-                "attention_grad_dst", n, m, nnz, H, C, p)}
+            b, n, m, nnz = attention_buffers("attention_grad_dst", H, C, p)
             indptr, indices, s_src, s_dst, x, dy, out = (b[k] for k in (
                 "indptr", "indices", "s_src", "s_dst", "x", "dy", "out"))
             perm, step = b.get("perm"), b.get("step")
@@ -309,9 +313,7 @@ def attention_grad_src(H: int, C: int, slope: float, p: float = 0.0, seed: int =
         with T.prim_func(s_tir=True):
             T.func_name("attention_grad_src")
             T.func_attr({"tirx.noalias": True})
-            n, m, nnz = (tirx.Var(name, "int64") for name in ("n", "m", "nnz"))
-            b = {name: arg(name, shape, dt) for name, shape, dt in attention_spec(
-                "attention_grad_src", n, m, nnz, H, C, p)}
+            b, n, m, nnz = attention_buffers("attention_grad_src", H, C, p)
             indptr, indices, s_src, x, dy, stats, out = (b[k] for k in (
                 "indptr", "indices", "s_src", "x", "dy", "stats", "out"))
             perm, step = b.get("csc_perm"), b.get("step")

@@ -35,7 +35,7 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
 from gcomp.codegen import epilogue as epi
-from gcomp.codegen.aggregate_kernel import (NEG_INF, _finish, arg, attention_spec,
+from gcomp.codegen.aggregate_kernel import (NEG_INF, _finish, arg, attention_buffers,
                                             drop_factor, finish_attention_stats, leaky,
                                             slope_factor, times)
 from gcomp.codegen.dense_kernels import _lanes
@@ -218,9 +218,7 @@ def attention_agg(H: int, C: int, slope: float, p: float = 0.0, seed: int = 0,
         with T.prim_func():
             T.func_name("attention_agg")
             T.func_attr({"tirx.noalias": True})
-            n, m, nnz = (tirx.Var(name, "int64") for name in ("n", "m", "nnz"))
-            spec = attention_spec("attention_agg", n, m, nnz, H, C, p, extras)
-            bufs = dict(zip([s[0] for s in spec], _args(spec)))
+            bufs, n, m, nnz = attention_buffers("attention_agg", H, C, p, extras)
             indptr, indices, x, out = bufs["indptr"], bufs["indices"], bufs["x"], bufs["out"]
             s_src, s_dst = bufs["s_src"], bufs["s_dst"]
             perm, step = bufs.get("perm"), bufs.get("step")
@@ -293,9 +291,7 @@ def attention_grad_dst(H: int, C: int, slope: float, p: float = 0.0, seed: int =
         with T.prim_func():
             T.func_name("attention_grad_dst")
             T.func_attr({"tirx.noalias": True})
-            n, m, nnz = (tirx.Var(name, "int64") for name in ("n", "m", "nnz"))
-            spec = attention_spec("attention_grad_dst", n, m, nnz, H, C, p)
-            bufs = dict(zip([s[0] for s in spec], _args(spec)))
+            bufs, n, m, nnz = attention_buffers("attention_grad_dst", H, C, p)
             indptr, indices, s_src, s_dst, x, dy, out = (bufs[k] for k in (
                 "indptr", "indices", "s_src", "s_dst", "x", "dy", "out"))
             perm, step = bufs.get("perm"), bufs.get("step")
@@ -355,14 +351,16 @@ def attention_grad_src(H: int, C: int, slope: float, p: float = 0.0, seed: int =
         with T.prim_func():
             T.func_name("attention_grad_src")
             T.func_attr({"tirx.noalias": True})
-            n, m, nnz = (tirx.Var(name, "int64") for name in ("n", "m", "nnz"))
-            spec = attention_spec("attention_grad_src", n, m, nnz, H, C, p)
-            bufs = dict(zip([s[0] for s in spec], _args(spec)))
+            bufs, n, m, nnz = attention_buffers("attention_grad_src", H, C, p)
             indptr, indices, s_src, x, dy, stats, out = (bufs[k] for k in (
                 "indptr", "indices", "s_src", "x", "dy", "stats", "out"))
             perm, step = bufs.get("csc_perm"), bufs.get("step")
             with _balanced_rows(indptr, n, name="j") as j:
-                coef = T.alloc_buffer((4, H), f32, scope="local")  # a, a r, d s_src, a m
+                # a, a r, d s_src, and with dropout the coefficient's factor m
+                coef = T.alloc_buffer((4 if p else 3, H), f32, scope="local")
+
+                def m_of(h):
+                    return coef[3, h] if p else None
                 part = T.alloc_buffer((V,), f32, scope="local")
                 _features(F, lambda f: T.buffer_store(out, tirx.const(0.0, f32), [j, f]))
                 _features(H, lambda h: T.buffer_store(coef, tirx.const(0.0, f32), [2, h]))
@@ -377,16 +375,17 @@ def attention_grad_src(H: int, C: int, slope: float, p: float = 0.0, seed: int =
                         T.buffer_store(coef, fast_exp(leaky(zz, slope) - stats[d, 2 * H + h]),
                                        [0, h])
                         T.buffer_store(coef, coef[0, h] * slope_factor(zz, slope), [1, h])
-                        T.buffer_store(coef, times(coef[0, h], drop_factor(
-                            perm, k, h, H, step, p, seed)), [3, h])
+                        if p:
+                            T.buffer_store(coef, drop_factor(perm, k, h, H, step, p, seed),
+                                           [3, h])
                     _features(H, weigh)
                     for h in range(H):
                         g = _head_dots(part, V, C, h, lambda f: x[j, f], lambda f: dy[d, f])
-                        g = times(g, drop_factor(perm, k, h, H, step, p, seed))
-                        T.buffer_store(coef, coef[2, h] + coef[1, h] * (g - stats[d, 3 * H + h]),
-                                       [2, h])
+                        T.buffer_store(coef, coef[2, h] + coef[1, h] * (
+                            times(g, m_of(h)) - stats[d, 3 * H + h]), [2, h])
                         _features(C, lambda c, h=h: T.buffer_store(
-                            out, out[j, h * C + c] + coef[3, h] * dy[d, h * C + c], [j, h * C + c]))
+                            out, out[j, h * C + c] + times(coef[0, h], m_of(h)) * dy[d, h * C + c],
+                            [j, h * C + c]))
                 _features(H, lambda h: T.buffer_store(out, coef[2, h], [j, F + h]))
     return ib.get()
 

@@ -482,52 +482,45 @@ class _Lowering:
 
     def lower_attention_aggregate(self, n: Node, out: Node | None = None,
                                   epilogue=((), (), [])) -> None:
-        g, x, s_src, s_dst = n.inputs[:4]
+        x, s_src, s_dst = n.inputs[1:4]
         chain, kinds, ext_args = epilogue
         if out is None:
             out = n
             self.buffer(n)
         fused = {"epilogue": chain, "extras": kinds} if chain else {}
-        spec = KernelSpec.make("attention_agg", **self._attention_params(n), **fused)
-        perm, step = self._attention_dropout(n, g, "perm")
-        self.step(n, spec, [self.garr(g, "indptr"), self.garr(g, "indices")] + perm
-                  + [self.arg(s_src), self.arg(s_dst), self.arg(x, self.flat2(x))] + step
-                  + list(ext_args) + [self.arg(out, self.flat2(out))])
+        self._attention_step(n, "attention_agg", [s_src, s_dst, x], list(ext_args),
+                             self.arg(out, self.flat2(out)), **fused)
 
     def lower_attention_grad_dst(self, n: Node) -> None:
-        g, x, s_src, s_dst, dy = n.inputs[:5]
+        x, s_src, s_dst, dy = n.inputs[1:5]
         self.buffer(n)
-        spec = KernelSpec.make("attention_grad_dst", **self._attention_params(n))
-        perm, step = self._attention_dropout(n, g, "perm")
-        self.step(n, spec, [self.garr(g, "indptr"), self.garr(g, "indices")] + perm
-                  + [self.arg(s_src), self.arg(s_dst), self.arg(x, self.flat2(x)),
-                     self.arg(dy, self.flat2(dy))] + step + [self.arg(n)])
+        self._attention_step(n, "attention_grad_dst", [s_src, s_dst, x, dy], [], self.arg(n))
 
     def lower_attention_grad_src(self, n: Node) -> None:
-        g, x, s_src, dy, stats = n.inputs[:5]
+        x, s_src, dy, stats = n.inputs[1:5]
         self.buffer(n)
-        spec = KernelSpec.make("attention_grad_src", **self._attention_params(n))
-        perm, step = self._attention_dropout(n, g, "csc_perm")
-        self.step(n, spec, [self.garr(g, "csc_indptr"), self.garr(g, "csc_indices")] + perm
-                  + [self.arg(s_src), self.arg(x, self.flat2(x)), self.arg(dy, self.flat2(dy)),
-                     self.arg(stats)] + step + [self.arg(n)])
+        self._attention_step(n, "attention_grad_src", [s_src, x, dy, stats], [], self.arg(n))
 
-    @staticmethod
-    def _attention_params(n: Node) -> dict:
-        x = n.inputs[1]
+    def _attention_step(self, n: Node, kind: str, tensors: list, epilogue_args: list,
+                        out: dict, **fused) -> None:
+        """A fused attention kernel's step, its arguments in ``attention_spec``'s order: the
+        graph arrays (CSC for the source pass), with dropout the canonical edge ids its
+        mask hashes, the tensors (node features flattened to 2-D), with dropout the step
+        counter, epilogue extras, the output."""
+        g, x = n.inputs[0], n.inputs[1]
+        csc = kind == "attention_grad_src"
         params = {"H": int(x.ty.shape[1]), "C": int(prod(x.ty.shape[2:])),
                   "slope": float(n.attrs["negative_slope"])}
+        head = [self.garr(g, "csc_indptr" if csc else "indptr"),
+                self.garr(g, "csc_indices" if csc else "indices")]
+        step = []
         if n.attrs["p"] > 0:
             params.update(p=float(n.attrs["p"]), seed=int(n.attrs["seed"]))
-        return params
-
-    def _attention_dropout(self, n: Node, g: Node, ids: str) -> tuple[list, list]:
-        """The extra arguments of a fused attention kernel with dropout: the canonical
-        edge ids its mask hashes (``ids``: ``perm`` in CSR order, ``csc_perm`` in CSC
-        order) and the step counter."""
-        if n.attrs["p"] <= 0:
-            return [], []
-        return [self.garr(g, ids)], [self.arg(n.inputs[-1])]
+            head.append(self.garr(g, "csc_perm" if csc else "perm"))
+            step = [self.arg(n.inputs[-1])]
+        args = [self.arg(t, self.flat2(t)) if t.ty.rank > 2 else self.arg(t) for t in tensors]
+        self.step(n, KernelSpec.make(kind, **params, **fused), head + args + step
+                  + epilogue_args + [out])
 
     def lower_edge_softmax(self, n: Node) -> None:
         g, e = n.inputs
