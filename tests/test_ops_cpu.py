@@ -166,6 +166,23 @@ def test_reductions_over_wide_last_axis(op, keepdims):
                               getattr(x.reshape(-1, 6, 8), op)(2, keepdims)], F=48)
 
 
+@pytest.mark.parametrize("op", ["sum", "mean", "max"])
+def test_reductions_of_fused_elementwise_trees(op):
+    """A reduction whose input is a tree of elementwise ops evaluates the tree in place
+    (GAT's scores sum(h * a, -1); a parameter's gradient sum(dy * x, axis=0)): per-head
+    parameters, a broadcast column, a constant, nested ops; over the last axis, a middle
+    one and the node axis (column sums in chunks for sum, the generic kernel otherwise)."""
+    def fn(x, g, w, *atts):
+        h = x.reshape(-1, 3, 4)
+        col = h.sum(-1, keepdims=True)
+
+        def tree(att):  # a parameter of its own per tree: no two trees share a value
+            return (h * att + col).tanh() * 2.0 - (h + att).sigmoid()
+        return [getattr(tree(atts[0]), op)(-1), getattr(tree(atts[1]), op)(1, True),
+                getattr(tree(atts[2]), op)(0), getattr(tree(atts[3]), op)(0, True)]
+    run_both(fn, F=12, params=[(3, 4)] * 4, n=83)
+
+
 def test_reduce_over_nodes():
     run_both(lambda x, g, w: [x.sum(0), x.max(0, keepdims=True), x.mean(0, keepdims=True) + x])
 

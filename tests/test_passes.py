@@ -238,9 +238,72 @@ def test_fuse_epilogues_groups_bias_and_activation():
     meta = {n.name: {k: v for k, v in n.meta.items() if k in ("fused", "fused_into")} for n in g}
     # %c is a graph output: the chain stops there (the kernel writes %c), relu starts anew
     assert meta["a"] == {"fused": ["c"]} and meta["c"] == {"fused_into": "a"}
-    # relu -> mul (by the materialized %s) -> tanh becomes one elementwise kernel
-    assert meta["r"] == {"fused": ["t", "u"]} and meta["s"] == {}
+    # relu and sigmoid -> mul -> tanh: a tree, one elementwise kernel writing %u
+    assert meta["r"] == {"fused": ["s", "t", "u"]}
+    assert all(meta[m] == {"fused_into": "r"} for m in "stu")
     assert print_graph(g) == print_graph(parse_graph(text))  # values unchanged
+
+
+def test_elide_broadcasts_the_consumer_does_itself():
+    """A sum's gradient, broadcast back (autodiff), read by two products: both read the
+    small tensor; a broadcast that numpy rules would not reproduce stays (here the other
+    operand is as small, so the result would shrink)."""
+    from gcomp.passes import ElideBroadcasts
+    before = """graph t(%h: f32[N,4,8], %ds: f32[N,4,1], %c: f32[N,4,1]) {
+  %a = param : f32[4,8]
+  %b = broadcast_to(%ds, %h) : f32[N,4,8]
+  %m = mul(%b, %a) : f32[N,4,8]
+  %n = mul(%h, %b) : f32[N,4,8]
+  %k = add(%b, %c) : f32[N,4,8]
+  return %m, %n, %k
+}"""
+    expected = """graph t(%h: f32[N,4,8], %ds: f32[N,4,1], %c: f32[N,4,1]) {
+  %a = param : f32[4,8]
+  %b = broadcast_to(%ds, %h) : f32[N,4,8]
+  %m = mul(%ds, %a) : f32[N,4,8]
+  %n = mul(%h, %ds) : f32[N,4,8]
+  %k = add(%b, %c) : f32[N,4,8]
+  return %m, %n, %k
+}"""
+    same(run_pass(ElideBroadcasts(), before), expected)
+    only = """graph t(%h: f32[N,4,8], %ds: f32[N,4,1]) {
+  %a = param : f32[4,8]
+  %b = broadcast_to(%ds, %h) : f32[N,4,8]
+  %m = mul(%b, %a) : f32[N,4,8]
+  return %m
+}"""
+    same(run_pass(ElideBroadcasts(), only), """graph t(%h: f32[N,4,8], %ds: f32[N,4,1]) {
+  %a = param : f32[4,8]
+  %m = mul(%ds, %a) : f32[N,4,8]
+  return %m
+}""")
+
+
+def test_fuse_epilogues_reductions_read_elementwise_trees():
+    """GAT's scores sum(h * a, -1) and its attention vector's gradient sum(ds * h, 0)
+    reduce the product as it is computed; a product another value also reads is stored,
+    and a tree of the gradient sum (dx + ds * a) is one kernel."""
+    from gcomp.passes import FuseEpilogues
+    text = """graph t(%h: f32[N,4,8], %ds: f32[N,4,1], %dx: f32[N,4,8]) {
+  %a = param : f32[4,8]
+  %p = mul(%h, %a) : f32[N,4,8]
+  %s = sum(%p) : f32[N,4]
+  %q = mul(%ds, %h) : f32[N,4,8]
+  %da = sum[axis=0](%q) : f32[4,8]
+  %r = mul(%h, %ds) : f32[N,4,8]
+  %m = max(%r) : f32[N,4]
+  %u = mul(%ds, %a) : f32[N,4,8]
+  %g = add(%dx, %u) : f32[N,4,8]
+  return %s, %da, %m, %r, %g
+}"""
+    g = parse_graph(text)
+    PassManager([FuseEpilogues()])(g)
+    meta = {n.name: {k: v for k, v in n.meta.items() if k in ("fused", "fused_into")} for n in g}
+    assert meta["p"] == {"fused": ["s"]} and meta["s"] == {"fused_into": "p"}
+    assert meta["q"] == {"fused": ["da"]} and meta["da"] == {"fused_into": "q"}
+    assert meta["r"] == {} and meta["m"] == {}  # %r is an output: it is stored
+    assert meta["u"] == {"fused": ["g"]} and meta["g"] == {"fused_into": "u"}
+    assert print_graph(g) == print_graph(parse_graph(text))
 
 
 def test_fusion_respects_values_the_backward_pass_needs():

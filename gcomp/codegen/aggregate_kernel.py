@@ -27,7 +27,7 @@ from tvm.script.ir_builder import tirx as T
 
 from gcomp.codegen import epilogue as epi
 from gcomp.codegen.fastmath import fast_exp
-from gcomp.codegen.kernels import definer
+from gcomp.codegen.kernels import arg, definer
 from gcomp.codegen.rng_expr import keep
 
 NEG_INF = -3.4028234663852886e38
@@ -40,13 +40,6 @@ def _finish(reduce: str, acc, deg):
     if reduce == "max":
         return tirx.Select(deg > tirx.const(0, "int64"), acc, tirx.const(0.0, "float32"))
     return acc
-
-
-def arg(name: str, shape, dtype: str):
-    """A buffer argument of the PrimFunc being built, named ``name``."""
-    buf = T.match_buffer(T.arg(name, T.handle()), shape, dtype, align=4)
-    IRBuilder.name(name, buf)
-    return buf
 
 
 @definer("csr_agg")

@@ -35,12 +35,12 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
 from gcomp.codegen import epilogue as epi
-from gcomp.codegen.aggregate_kernel import (NEG_INF, _finish, arg, attention_buffers,
+from gcomp.codegen.aggregate_kernel import (NEG_INF, _finish, attention_buffers,
                                             drop_factor, finish_attention_stats, leaky,
                                             slope_factor, times)
 from gcomp.codegen.dense_kernels import _lanes
 from gcomp.codegen.fastmath import fast_exp
-from gcomp.codegen.kernels import definer
+from gcomp.codegen.kernels import arg, definer
 from gcomp.runtime.plan import FEED_PARTS, NONFINITE
 
 PARTS = 256             # row ranges of equal work (in-edges + rows) shared out to threads

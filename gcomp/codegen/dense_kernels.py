@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from tvm import te, tirx
 from tvm.script import tirx as T
+from tvm.script.ir_builder import IRBuilder
+from tvm.script.ir_builder import tirx as IB
 
 from gcomp.codegen import epilogue as epi
 from gcomp.codegen.fastmath import fast_exp
-from gcomp.codegen.kernels import definer
+from gcomp.codegen.kernels import arg, definer
 
 
 def _dims(shape, n):
@@ -127,11 +129,24 @@ def ewise_chain(expr: tuple, in_shapes: tuple, out_shape: tuple):
     return te.create_prim_func(ins + [out])
 
 
+def _operand(shape: tuple, n, expr: tuple | None, in_shapes: tuple | None):
+    """The inputs of a kernel reading one tensor of ``shape``, and an element accessor: the
+    tensor itself, or a fused elementwise ``expr`` over ``in_shapes`` evaluated in place."""
+    if expr is None:
+        x = te.placeholder(_dims(shape, n), "float32", name="x")
+        return [x], lambda idx: x[idx]
+    ins = [te.placeholder(_dims(s, n), "float32", name=f"in{i}") for i, s in enumerate(in_shapes)]
+    leaves = list(zip(ins, in_shapes))
+    return ins, lambda idx: _tree(expr, leaves, idx, shape)
+
+
 @definer("reduce")
-def reduce(op: str, shape: tuple, axis: int, keepdims: bool):
-    """sum / mean / max of x over one axis."""
+def reduce(op: str, shape: tuple, axis: int, keepdims: bool, expr: tuple | None = None,
+           in_shapes: tuple | None = None):
+    """sum / mean / max over one axis of x, or of a fused elementwise ``expr`` of shape
+    ``shape`` (never stored)."""
     n = tirx.Var("n", "int64")
-    x = te.placeholder(_dims(shape, n), "float32", name="x")
+    ins, x = _operand(shape, n, expr, in_shapes)
     full = _dims(shape, n)
     r = te.reduce_axis((0, full[axis]), name="r")
     oshape = tuple(1 if a == axis else d for a, d in enumerate(full)) if keepdims else \
@@ -146,13 +161,13 @@ def reduce(op: str, shape: tuple, axis: int, keepdims: bool):
         return tuple(idx)
 
     if op == "max":
-        red = te.compute(oshape, lambda *i: te.max(x[index(i)], axis=r), name="reduce")
+        red = te.compute(oshape, lambda *i: te.max(x(index(i)), axis=r), name="reduce")
     else:
-        red = te.compute(oshape, lambda *i: te.sum(x[index(i)], axis=r), name="reduce")
+        red = te.compute(oshape, lambda *i: te.sum(x(index(i)), axis=r), name="reduce")
     if op == "mean":
         cnt = tirx.Cast("float32", full[axis])
         red = te.compute(oshape, lambda *i: red[i] / cnt, name="mean")
-    return te.create_prim_func([x, red])
+    return te.create_prim_func(ins + [red])
 
 
 @definer("softmax")
@@ -352,63 +367,66 @@ def _matmul_tn_gpu(K: int, M: int, P: int):
 
 
 @definer("colsum")
-def colsum(F: int, chunks: int = CHUNKS, gpu: bool = False):
-    """out[f] = sum_i x[i, f] over the symbolic rows (bias gradients): ``chunks`` parallel
-    partial sums, then their sum; deterministic, no atomics.  ``gpu``: the same with every
-    block's reads and writes declared, so a GPU schedule may bind the final sum's loop."""
-    if gpu:
-        return _colsum_gpu(F, chunks)
+def colsum(F: int, chunks: int = CHUNKS, gpu: bool = False, expr: tuple | None = None,
+           in_shapes: tuple | None = None, shape: tuple | None = None):
+    """out[f] = sum_i x[i, f] over the symbolic rows (bias and attention-vector
+    gradients): ``chunks`` parallel partial sums, then their sum; deterministic, no
+    atomics.  With ``expr``, x is a fused elementwise expression over ``in_shapes`` of
+    shape ``shape`` (flattened to [n, F]), evaluated as it is summed and never stored.
+    ``gpu``: the final sum's reads declared, so a GPU schedule may bind its loop."""
     P = chunks
+    f32 = "float32"
+    with IRBuilder() as ib:
+        with IB.prim_func(s_tir=True):
+            IB.func_name("colsum")
+            IB.func_attr({"tirx.noalias": True})
+            n = tirx.Var("n", "int64")
+            if expr is None:
+                x, leaves = arg("x", (n, F), f32), None
+            else:
+                ins = [arg(f"in{k}", _dims(sh, n), f32) for k, sh in enumerate(in_shapes)]
+                leaves = list(zip(ins, in_shapes))
+            out = arg("out", (F,), f32)
+            part = IB.sblock_alloc_buffer((P, F), f32)
+            IRBuilder.name("part", part)
+            with IB.grid(P, F) as (p, f):
+                with IB.sblock("part"):
+                    vp = IB.axis.spatial(P, p)
+                    vf = IB.axis.spatial(F, f)
+                    IRBuilder.name_many(["p", "f", "vp", "vf"], [p, f, vp, vf])
+                    IB.reads(*([x[0:n, vf]] if leaves is None else
+                               [b[tuple(slice(0, d) for d in b.shape)] for b, _ in leaves]))
+                    IB.writes(part[vp, vf])
+                    IB.buffer_store(part, tirx.const(0.0, f32), [vp, vf])
+                    with IB.serial(vp * n // P, (vp + 1) * n // P) as i:
+                        IRBuilder.name("i", i)
+                        if leaves is None:
+                            val = x[i, vf]
+                        else:
+                            idx = (i,) + _unflatten(vf, [int(d) for d in shape[1:]])
+                            val = _tree(expr, leaves, idx, shape)
+                        IB.buffer_store(part, part[vp, vf] + val, [vp, vf])
+            with IB.serial(0, F) as f:
+                with IB.sblock("sum"):
+                    vf = IB.axis.spatial(F, f)
+                    IRBuilder.name_many(["f", "vf"], [f, vf])
+                    if gpu:
+                        IB.reads(part[0:P, vf])
+                        IB.writes(out[vf])
+                    IB.buffer_store(out, tirx.const(0.0, f32), [vf])
+                    with IB.serial(0, P) as q:
+                        IRBuilder.name("q", q)
+                        IB.buffer_store(out, out[vf] + part[q, vf], [vf])
+    return ib.get()
 
-    @T.prim_func(s_tir=True)
-    def k(x_h: T.handle, out_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        n = T.int64()
-        x = T.match_buffer(x_h, (n, F), "float32", align=4)
-        out = T.match_buffer(out_h, (F,), "float32", align=4)
-        part = T.sblock_alloc_buffer((P, F), "float32")
-        for p, f in T.grid(P, F):
-            with T.sblock("part"):
-                vp, vf = T.axis.remap("SS", [p, f])
-                T.reads(x[0:n, vf])
-                T.writes(part[vp, vf])
-                part[vp, vf] = T.float32(0)
-                for i in range(vp * n // P, (vp + 1) * n // P):
-                    part[vp, vf] = part[vp, vf] + x[i, vf]
-        for f in range(F):
-            with T.sblock("sum"):
-                vf = T.axis.remap("S", [f])
-                out[vf] = T.float32(0)
-                for q in range(P):
-                    out[vf] = out[vf] + part[q, vf]
-    return k
 
-
-def _colsum_gpu(F: int, P: int):
-    @T.prim_func(s_tir=True)
-    def k(x_h: T.handle, out_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        n = T.int64()
-        x = T.match_buffer(x_h, (n, F), "float32", align=4)
-        out = T.match_buffer(out_h, (F,), "float32", align=4)
-        part = T.sblock_alloc_buffer((P, F), "float32")
-        for p, f in T.grid(P, F):
-            with T.sblock("part"):
-                vp, vf = T.axis.remap("SS", [p, f])
-                T.reads(x[0:n, vf])
-                T.writes(part[vp, vf])
-                part[vp, vf] = T.float32(0)
-                for i in range(vp * n // P, (vp + 1) * n // P):
-                    part[vp, vf] = part[vp, vf] + x[i, vf]
-        for f in range(F):
-            with T.sblock("sum"):
-                vf = T.axis.remap("S", [f])
-                T.reads(part[0:P, vf])
-                T.writes(out[vf])
-                out[vf] = T.float32(0)
-                for q in range(P):
-                    out[vf] = out[vf] + part[q, vf]
-    return k
+def _unflatten(f, dims: list) -> tuple:
+    """Row-major indices into ``dims`` of flat index ``f``."""
+    idx = []
+    for k in range(len(dims) - 1, 0, -1):
+        idx.append(tirx.floormod(f, dims[k]))
+        f = tirx.floordiv(f, dims[k])
+    return (f,) + tuple(reversed(idx))
 
 
 def _softmax_stats(z, C: int, n):

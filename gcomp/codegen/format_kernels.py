@@ -38,9 +38,9 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
 from gcomp.codegen import epilogue as epi
-from gcomp.codegen.aggregate_kernel import _finish, arg
+from gcomp.codegen.aggregate_kernel import _finish
 from gcomp.codegen.cpu_kernels import PREFETCH_DISTANCE, _features, _if, _prefetch
-from gcomp.codegen.kernels import definer
+from gcomp.codegen.kernels import arg, definer
 
 ROWS = 16  # destination rows per block of the dense layout (their outputs stay in L1)
 GROUP = 8  # the banded format's block size is a multiple of this

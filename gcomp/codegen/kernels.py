@@ -31,6 +31,9 @@ import hashlib
 import json
 from dataclasses import dataclass
 
+from tvm.script.ir_builder import IRBuilder
+from tvm.script.ir_builder import tirx as IB
+
 from gcomp.errors import CompileError
 
 
@@ -70,6 +73,13 @@ def definer(kind: str, target: str | None = None):
         _DEFINERS[(kind, target)] = fn
         return fn
     return reg
+
+
+def arg(name: str, shape, dtype: str):
+    """A buffer argument, named ``name``, of the PrimFunc an IRBuilder is building."""
+    buf = IB.match_buffer(IB.arg(name, IB.handle()), shape, dtype, align=4)
+    IRBuilder.name(name, buf)
+    return buf
 
 
 def target_definition(spec: KernelSpec, target: str):

@@ -315,6 +315,10 @@ class _Lowering:
             if v not in leaves:
                 leaves.append(v)
             return ["in", leaves.index(v)]
+        if tail.op in OpGroup.Reduce:  # the tree is the reduction's input
+            group.remove(tail)
+            self.lower_reduce(tail, tree=(expr(tail.inputs[0]), leaves))
+            return
         tree = expr(tail)
         spec = KernelSpec.make("ewise_chain", expr=tree,
                                in_shapes=[_spec_shape(v.ty) for v in leaves],
@@ -570,19 +574,27 @@ class _Lowering:
                                out_shape=_spec_shape(n.ty))
         self.step(n, spec, [self.arg(i) for i in n.inputs] + [self.arg(n)])
 
-    def lower_reduce(self, n: Node) -> None:
+    def lower_reduce(self, n: Node, tree: tuple | None = None) -> None:
+        """``tree``: (expression, leaves) of fused elementwise ops computing the input,
+        evaluated while it is reduced (passes/fuse_epilogues)."""
         x = n.inputs[0]
         self.buffer(n)
         axis = n.attrs["axis"] % x.ty.rank
+        fused = {} if tree is None else {"expr": tree[0],
+                                         "in_shapes": [_spec_shape(v.ty) for v in tree[1]]}
+        ins = [self.arg(x)] if tree is None else [self.arg(v) for v in tree[1]]
         if (axis == 0 and n.op == Op.SUM and not n.attrs["keepdims"] and x.ty.rank >= 2
                 and not isinstance(x.ty.shape[0], int)):  # column sums over nodes or edges
             F = int(prod(x.ty.shape[1:]))
-            self.step(n, KernelSpec.make("colsum", F=F), [self.arg(x, self.flat2(x)),
-                                                          self.arg(n, [F])])
+            if tree is None:
+                ins = [self.arg(x, self.flat2(x))]
+            else:
+                fused["shape"] = _spec_shape(x.ty)
+            self.step(n, KernelSpec.make("colsum", F=F, **fused), ins + [self.arg(n, [F])])
             return
         spec = KernelSpec.make("reduce", op=n.op.value, shape=_spec_shape(x.ty), axis=axis,
-                               keepdims=bool(n.attrs["keepdims"]))
-        self.step(n, spec, [self.arg(x), self.arg(n)])
+                               keepdims=bool(n.attrs["keepdims"]), **fused)
+        self.step(n, spec, ins + [self.arg(n)])
 
     def _softmax(self, n: Node, log: bool) -> None:
         x = n.inputs[0]

@@ -5,6 +5,7 @@ from gcomp.passes.autodiff import Autodiff
 from gcomp.passes.canonicalize import Canonicalize
 from gcomp.passes.cse import CommonSubexprElimination
 from gcomp.passes.dce import DeadCodeElimination
+from gcomp.passes.elide_broadcasts import ElideBroadcasts
 from gcomp.passes.eval_mode import EvalMode
 from gcomp.passes.fuse_aggregate import FuseAggregate
 from gcomp.passes.fuse_attention import FuseAttention
@@ -17,7 +18,7 @@ from gcomp.passes.reorder_linear import ReorderLinear
 PASSES = {p.name: p for p in (EvalMode, Canonicalize, CommonSubexprElimination, FuseAggregate,
                               FuseAttention,
                               ReorderLinear, DeadCodeElimination, HoistGraphStatic,
-                              FuseEpilogues, AddLoss, Autodiff)}
+                              FuseEpilogues, AddLoss, Autodiff, ElideBroadcasts)}
 
 
 def default_pipeline() -> PassManager:
@@ -45,6 +46,7 @@ def training_pipeline() -> PassManager:
         FuseAttention(),       # ... and GAT's attention gets its fused backward
         ReorderLinear(),       # ... and the backward of a narrower aggregation is narrower
         Autodiff(),            # reverse mode: outputs become [loss, gradients]
+        ElideBroadcasts(),     # a sum's gradient read broadcast, not copied
         DeadCodeElimination(),
         HoistGraphStatic(),    # degrees and norms of both directions: once per bound graph
         FuseEpilogues(),
@@ -52,4 +54,5 @@ def training_pipeline() -> PassManager:
 
 
 __all__ = ["PASSES", "training_pipeline", "AddLoss", "Autodiff", "EvalMode", "Pass", "PassContext", "PassManager", "PassError", "Instrument", "default_pipeline",
-           "Canonicalize", "CommonSubexprElimination", "FuseAggregate", "FuseAttention", "FuseEpilogues", "ReorderLinear", "DeadCodeElimination", "HoistGraphStatic"]
+           "Canonicalize", "CommonSubexprElimination", "FuseAggregate", "FuseAttention", "FuseEpilogues", "ReorderLinear", "DeadCodeElimination", "HoistGraphStatic",
+           "ElideBroadcasts"]

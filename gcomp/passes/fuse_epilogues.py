@@ -18,13 +18,22 @@ Anchors and what they absorb:
   relu'(y), the backward of a layer), the activation's output or input read per
   element.  (Not an aggregation over out-edges: the distributed runtime adds their
   partial sums across ranks after the epilogue, so it must be additive.)
-* any elementwise op (``elementwise_grad`` included): following elementwise ops of
-  the same shape, fused into one elementwise kernel.
+* any elementwise op (``elementwise_grad`` included): the elementwise ops it reads
+  whose value only it uses, of its shape, and theirs in turn: a tree evaluated per
+  element in one kernel (autodiff's gradient sums, ``dy + ds_dst * a_dst + ds_src *
+  a_src``).
+* a ``sum``, ``mean`` or ``max`` over one axis: such a tree as its input, reduced
+  while it is computed (GAT's scores ``sum(h * a, -1)``; a parameter's gradient
+  ``sum(dy * x, axis=0)``), so the product is never stored.
 
     Before:  %a = aggregate(%g, %h, %norm) : f32[N,16]
              %b = bias_add(%a, %bias)      : f32[N,16]
              %r = relu(%b)                 : f32[N,16]
     After:   same values; %a.meta["fused"] = ["b", "r"]: one kernel computes %r
+
+    Before:  %m = mul(%h, %att) : f32[N,4,32]
+             %s = sum(%m)       : f32[N,4]
+    After:   same values; %m.meta["fused"] = ["s"]: one kernel computes %s
 """
 
 from __future__ import annotations
@@ -78,52 +87,90 @@ def _absorbable_after_kernel(n, prev, anchor) -> bool:
     return False
 
 
-def _absorbable_elementwise(n, prev, anchor) -> bool:
-    return (n.op in CHAINABLE and n.ty.shape == prev.ty.shape
-            and sum(i is prev for i in n.inputs) == 1
-            and all(_materialized(i) for i in n.inputs if i is not prev))
-
-
 def _sole_user(v, graph):
     if len(v.users) != 1 or v in graph.outputs:
         return None
     return next(iter(v.users))
 
 
+def _tree_member(v, user, shape, graph) -> bool:
+    """Can input ``v`` of tree member ``user`` be computed inside the tree's kernel?"""
+    return (v.op in CHAINABLE and isinstance(v.ty, TensorType) and v.ty.shape == shape
+            and "fused" not in v.meta and "fused_into" not in v.meta
+            and _sole_user(v, graph) is user and sum(i is v for i in user.inputs) == 1
+            and v.meta.get("phase") == user.meta.get("phase"))
+
+
+def _tree(root, shape, graph) -> list:
+    """The elementwise ops ``root`` reads that can be evaluated inside its kernel, with
+    what they read in turn (``root`` itself excluded)."""
+    found, stack = [], [root]
+    while stack:
+        user = stack.pop()
+        for v in user.inputs:
+            if v not in found and _tree_member(v, user, shape, graph):
+                found.append(v)
+                stack.append(v)
+    return found
+
+
+def _tree_tail(t) -> tuple | None:
+    """The element shape of the tree ``t`` may end, or None if ``t`` cannot end one."""
+    if not isinstance(t.ty, TensorType):
+        return None
+    if t.op in OpGroup.Reduce:
+        x = t.inputs[0]
+        return x.ty.shape if isinstance(x.ty, TensorType) and not x.ty.is_static else None
+    if t.op in CHAINABLE and not t.ty.is_static:
+        return t.ty.shape
+    return None
+
+
 class FuseEpilogues(Pass):
     name = "fuse_epilogues"
 
     def run(self, graph, ctx) -> bool:
-        changed = False
         for n in graph:
             for key in ("fused", "fused_into", "tail"):
                 n.meta.pop(key, None)
-        for n in graph:
-            if "fused_into" in n.meta:
-                continue
+        changed = False
+        for n in graph:  # kernels, with the elementwise ops after them
             if n.op in (Op.AGGREGATE, Op.ATTENTION_AGGREGATE) or (n.op == Op.MATMUL
                                                                   and not n.attrs["trans_a"]):
-                ok = _absorbable_after_kernel
-            elif n.op in CHAINABLE and isinstance(n.ty, TensorType) and not n.ty.is_static:
-                ok = _absorbable_elementwise
-            else:
+                changed |= _group(n, self._epilogue(n, graph))
+        order = {n: k for k, n in enumerate(graph)}
+        for t in reversed(graph.nodes):  # elementwise trees, into the op that ends them
+            if "fused" in t.meta or "fused_into" in t.meta:
                 continue
-            if n.op in CHAINABLE and not all(_materialized(i) for i in n.inputs):
+            shape = _tree_tail(t)
+            if shape is None:
                 continue
-            members, prev = [], n
-            while True:
-                u = _sole_user(prev, graph)
-                if (u is None or "fused_into" in u.meta or not ok(u, prev, n)
-                        or u.meta.get("phase") != n.meta.get("phase")):
-                    break
-                members.append(u)
-                prev = u
-            while members and members[-1].op == Op.RESHAPE:  # a trailing view stays a view
-                members.pop()
-            if members:
-                n.meta["fused"] = [m.name for m in members]
-                for m in members:
-                    m.meta["fused_into"] = n.name
-                members[-1].meta["tail"] = True
-                changed = True
+            inner = _tree(t, shape, graph)
+            if inner:
+                inner.sort(key=order.__getitem__)
+                changed |= _group(inner[0], inner[1:] + [t])
         return changed
+
+    @staticmethod
+    def _epilogue(n, graph) -> list:
+        members, prev = [], n
+        while True:
+            u = _sole_user(prev, graph)
+            if (u is None or "fused_into" in u.meta or not _absorbable_after_kernel(u, prev, n)
+                    or u.meta.get("phase") != n.meta.get("phase")):
+                break
+            members.append(u)
+            prev = u
+        while members and members[-1].op == Op.RESHAPE:  # a trailing view stays a view
+            members.pop()
+        return members
+
+
+def _group(anchor, members: list) -> bool:
+    if not members:
+        return False
+    anchor.meta["fused"] = [m.name for m in members]
+    for m in members:
+        m.meta["fused_into"] = anchor.name
+    members[-1].meta["tail"] = True
+    return True
