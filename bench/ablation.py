@@ -27,7 +27,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 OPTIONAL_PASSES = ("cse", "fuse_aggregate", "reorder_linear", "hoist_graph_static",
-                   "fuse_epilogues")
+                   "elide_broadcasts", "fuse_epilogues")
 RUNTIME_CHOICES = ("sparse-features", "reorder")
 DEFAULT_SIZES = {"cora": (2, 16), "pubmed-synth": (2, 16), "arxiv-synth": (3, 32)}
 

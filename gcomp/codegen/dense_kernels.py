@@ -106,13 +106,26 @@ def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = ()):
 
 
 def _tree(expr, leaves, idx, out_shape):
-    """Evaluate a fused elementwise expression tree at output index ``idx``."""
+    """Evaluate a fused elementwise expression tree at index ``idx`` of its ``out_shape``.
+    A ``slice`` or ``reshape`` in the tree maps the index into its input's shape
+    (``in_shape``), so a column range or a regrouping of a stored tensor is read in place."""
     if expr[0] == "in":
         t, shape = leaves[expr[1]]
         return t[_bcast_index(shape, out_shape, idx)] if shape else t[()]
     op, attrs, args = expr
-    vals = [_tree(a, leaves, idx, out_shape) for a in args]
     attrs = dict(attrs)
+    if op == "slice":
+        src = list(idx)
+        src[attrs["axis"]] = src[attrs["axis"]] + attrs["start"]
+        return _tree(args[0], leaves, tuple(src), attrs["in_shape"])
+    if op == "reshape":  # the leading (node or edge) axis stays; the rest is regrouped
+        dims = [int(d) for d in out_shape[1:]]
+        flat = 0
+        for i, d in zip(idx[1:], dims):
+            flat = flat * d + i
+        src = (idx[0],) + _unflatten(flat, [int(d) for d in attrs["in_shape"][1:]])
+        return _tree(args[0], leaves, src, attrs["in_shape"])
+    vals = [_tree(a, leaves, idx, out_shape) for a in args]
     if op == "elementwise_grad":
         return _grad_expr(attrs["op"], attrs["wrt"], attrs, vals[0], vals[1:])
     return _apply(op, attrs, vals)
@@ -422,6 +435,8 @@ def colsum(F: int, chunks: int = CHUNKS, gpu: bool = False, expr: tuple | None =
 
 def _unflatten(f, dims: list) -> tuple:
     """Row-major indices into ``dims`` of flat index ``f``."""
+    if not dims:
+        return ()
     idx = []
     for k in range(len(dims) - 1, 0, -1):
         idx.append(tirx.floormod(f, dims[k]))

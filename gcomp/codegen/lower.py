@@ -311,7 +311,13 @@ class _Lowering:
 
         def expr(v: Node):
             if v in group:
-                return [v.op.value, _scalar_attrs(v), [expr(i) for i in v.inputs]]
+                attrs = _scalar_attrs(v)
+                if v.op == Op.RESHAPE:  # index maps into the input's shape
+                    attrs = {"in_shape": _spec_shape(v.inputs[0].ty)}
+                elif v.op == Op.SLICE:
+                    attrs = {"axis": attrs["axis"] % v.ty.rank, "start": attrs["start"],
+                             "in_shape": _spec_shape(v.inputs[0].ty)}
+                return [v.op.value, attrs, [expr(i) for i in v.inputs]]
             if v not in leaves:
                 leaves.append(v)
             return ["in", leaves.index(v)]

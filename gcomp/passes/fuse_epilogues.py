@@ -21,7 +21,9 @@ Anchors and what they absorb:
 * any elementwise op (``elementwise_grad`` included): the elementwise ops it reads
   whose value only it uses, of its shape, and theirs in turn: a tree evaluated per
   element in one kernel (autodiff's gradient sums, ``dy + ds_dst * a_dst + ds_src *
-  a_src``).
+  a_src``).  A ``slice`` of a static axis or a ``reshape`` keeping the node axis in
+  the tree is read through by mapping indices, so no copy of it is made (d x sliced
+  out of fused attention's [N, H*C + H] gradient).
 * a ``sum``, ``mean`` or ``max`` over one axis: such a tree as its input, reduced
   while it is computed (GAT's scores ``sum(h * a, -1)``; a parameter's gradient
   ``sum(dy * x, axis=0)``), so the product is never stored.
@@ -93,37 +95,50 @@ def _sole_user(v, graph):
     return next(iter(v.users))
 
 
-def _tree_member(v, user, shape, graph) -> bool:
-    """Can input ``v`` of tree member ``user`` be computed inside the tree's kernel?"""
-    return (v.op in CHAINABLE and isinstance(v.ty, TensorType) and v.ty.shape == shape
-            and "fused" not in v.meta and "fused_into" not in v.meta
+def _index_map(v) -> bool:
+    """A view the tree can read through by mapping indices: a column range (``slice``
+    of a static axis) or a regrouping of the static axes (``reshape`` keeping the node
+    or edge axis), e.g. d x sliced out of fused attention's [N, H*C + H] gradient."""
+    x = v.inputs[0].ty if v.inputs else None
+    if not isinstance(x, TensorType) or isinstance(x.shape[0], int) or x.rank == 0:
+        return False
+    if v.op == Op.SLICE:
+        return v.attrs["axis"] % x.rank != 0
+    return v.op == Op.RESHAPE and v.ty.rank >= 1 and v.ty.shape[0] == x.shape[0]
+
+
+def _tree_member(v, user, graph) -> bool:
+    """Can input ``v`` of tree member ``user`` be computed inside the tree's kernel?
+    Elementwise ops and views read through, of their elementwise user's shape (a value
+    broadcast into its user is read per element from memory, not recomputed)."""
+    ok = (v.op in CHAINABLE or v.op in (Op.SLICE, Op.RESHAPE) and _index_map(v)) and (
+        user.op not in CHAINABLE or v.ty.shape == user.ty.shape)
+    return (ok and isinstance(v.ty, TensorType) and "fused" not in v.meta and "fused_into" not in v.meta
             and _sole_user(v, graph) is user and sum(i is v for i in user.inputs) == 1
             and v.meta.get("phase") == user.meta.get("phase"))
 
 
-def _tree(root, shape, graph) -> list:
-    """The elementwise ops ``root`` reads that can be evaluated inside its kernel, with
-    what they read in turn (``root`` itself excluded)."""
+def _tree(root, graph) -> list:
+    """The elementwise ops and views ``root`` reads that can be evaluated inside its
+    kernel, with what they read in turn (``root`` itself excluded)."""
     found, stack = [], [root]
     while stack:
         user = stack.pop()
         for v in user.inputs:
-            if v not in found and _tree_member(v, user, shape, graph):
+            if v not in found and _tree_member(v, user, graph):
                 found.append(v)
                 stack.append(v)
     return found
 
 
-def _tree_tail(t) -> tuple | None:
-    """The element shape of the tree ``t`` may end, or None if ``t`` cannot end one."""
+def _tree_root(t) -> bool:
+    """Can ``t`` end a tree (write the tree kernel's result)?"""
     if not isinstance(t.ty, TensorType):
-        return None
+        return False
     if t.op in OpGroup.Reduce:
-        x = t.inputs[0]
-        return x.ty.shape if isinstance(x.ty, TensorType) and not x.ty.is_static else None
-    if t.op in CHAINABLE and not t.ty.is_static:
-        return t.ty.shape
-    return None
+        x = t.inputs[0].ty
+        return isinstance(x, TensorType) and not x.is_static
+    return t.op in CHAINABLE and not t.ty.is_static
 
 
 class FuseEpilogues(Pass):
@@ -142,10 +157,9 @@ class FuseEpilogues(Pass):
         for t in reversed(graph.nodes):  # elementwise trees, into the op that ends them
             if "fused" in t.meta or "fused_into" in t.meta:
                 continue
-            shape = _tree_tail(t)
-            if shape is None:
+            if not _tree_root(t):
                 continue
-            inner = _tree(t, shape, graph)
+            inner = _tree(t, graph)
             if inner:
                 inner.sort(key=order.__getitem__)
                 changed |= _group(inner[0], inner[1:] + [t])
