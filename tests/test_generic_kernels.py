@@ -89,3 +89,23 @@ def test_attention_kernels(H, C, slope, p):
     # D = dy . y (y with the same dropout), the identity the destination half relies on
     D = (dy.reshape(n, H, C) * y.reshape(n, H, C)).sum(-1)
     np.testing.assert_allclose(stats[:, 3 * H:], D, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu-chunks", "gpu-chunks"])
+def test_column_sums_of_a_fused_tree(gpu):
+    """Column sums of a fused elementwise tree (GAT's attention-vector gradient
+    sum(ds * h, 0), ds broadcast over each head's channels, plus a per-head bias), in the
+    CPU definition's 16 chunks and the GPU definition's 256 (more chunks than rows),
+    against numpy in float64."""
+    rng = np.random.default_rng(5)
+    n, H, C = 70, 4, 8
+    ds = rng.standard_normal((n, H, 1)).astype(np.float32)
+    h = rng.standard_normal((n, H, C)).astype(np.float32)
+    b = rng.standard_normal((H, C)).astype(np.float32)
+    expr = ["add", {}, [["mul", {}, [["in", 0], ["in", 1]]], ["in", 2]]]
+    params = {"gpu": True, "chunks": 256} if gpu else {}
+    spec = KernelSpec.make("colsum", F=H * C, expr=expr, shape=("n", H, C),
+                           in_shapes=[("n", H, 1), ("n", H, C), (H, C)], **params)
+    out = _run(spec, False, [ds, h, b], (H * C,))
+    ref = (ds.astype(np.float64) * h + b).sum(0).reshape(-1)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)

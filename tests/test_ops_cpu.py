@@ -211,11 +211,12 @@ def test_matmul_in_row_groups(K, M):
     run_both(lambda x, g, w, W, b: ((x @ W) + b).relu(), F=K, params=[(K, M), (M,)], n=67)
 
 
-@pytest.mark.parametrize("K,M", [(128, 32), (32, 40), (12, 7), (1433, 16), (3, 64)])
+@pytest.mark.parametrize("K,M", [(128, 32), (32, 40), (12, 7), (1433, 16), (3, 64), (128, 128),
+                                 (12, 96), (5, 160)])
 def test_weight_gradient_in_row_blocks(K, M):
     """The CPU x.T @ y (weight gradients) adds blocks of rows into register tiles of the
     result: row counts that leave blocks and chunks short or empty, widths the vector unit
-    does not divide, K without a tile that divides it."""
+    does not divide, K without a tile that divides it, wide results in column tiles."""
     import tvm
     from gcomp.codegen.build import build_library, make_target
     from gcomp.codegen.cpu_kernels import _matmul_tn_tile

@@ -53,6 +53,8 @@ def training_pipeline() -> PassManager:
     ])
 
 
-__all__ = ["PASSES", "training_pipeline", "AddLoss", "Autodiff", "EvalMode", "Pass", "PassContext", "PassManager", "PassError", "Instrument", "default_pipeline",
-           "Canonicalize", "CommonSubexprElimination", "FuseAggregate", "FuseAttention", "FuseEpilogues", "ReorderLinear", "DeadCodeElimination", "HoistGraphStatic",
-           "ElideBroadcasts"]
+__all__ = ["PASSES", "default_pipeline", "training_pipeline", "Instrument", "Pass",
+           "PassContext", "PassError", "PassManager", "AddLoss", "Autodiff", "Canonicalize",
+           "CommonSubexprElimination", "DeadCodeElimination", "ElideBroadcasts", "EvalMode",
+           "FuseAggregate", "FuseAttention", "FuseEpilogues", "HoistGraphStatic",
+           "ReorderLinear"]

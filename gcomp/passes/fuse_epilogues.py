@@ -111,9 +111,11 @@ def _tree_member(v, user, graph) -> bool:
     """Can input ``v`` of tree member ``user`` be computed inside the tree's kernel?
     Elementwise ops and views read through, of their elementwise user's shape (a value
     broadcast into its user is read per element from memory, not recomputed)."""
+    if not isinstance(v.ty, TensorType) or v.ty.dtype != "float32":
+        return False
     ok = (v.op in CHAINABLE or v.op in (Op.SLICE, Op.RESHAPE) and _index_map(v)) and (
         user.op not in CHAINABLE or v.ty.shape == user.ty.shape)
-    return (ok and isinstance(v.ty, TensorType) and "fused" not in v.meta and "fused_into" not in v.meta
+    return (ok and "fused" not in v.meta and "fused_into" not in v.meta
             and _sole_user(v, graph) is user and sum(i is v for i in user.inputs) == 1
             and v.meta.get("phase") == user.meta.get("phase"))
 
@@ -155,9 +157,7 @@ class FuseEpilogues(Pass):
                 changed |= _group(n, self._epilogue(n, graph))
         order = {n: k for k, n in enumerate(graph)}
         for t in reversed(graph.nodes):  # elementwise trees, into the op that ends them
-            if "fused" in t.meta or "fused_into" in t.meta:
-                continue
-            if not _tree_root(t):
+            if "fused" in t.meta or "fused_into" in t.meta or not _tree_root(t):
                 continue
             inner = _tree(t, graph)
             if inner:
