@@ -95,8 +95,8 @@ def test_attention_kernels(H, C, slope, p):
 def test_column_sums_of_a_fused_tree(gpu):
     """Column sums of a fused elementwise tree (GAT's attention-vector gradient
     sum(ds * h, 0), ds broadcast over each head's channels, plus a per-head bias), in the
-    CPU definition's 16 chunks and the GPU definition's 256 (more chunks than rows),
-    against numpy in float64."""
+    generic definition's 16 chunks (and the CPU definition's) and the GPU definition's 256
+    (more chunks than rows), against numpy in float64."""
     rng = np.random.default_rng(5)
     n, H, C = 70, 4, 8
     ds = rng.standard_normal((n, H, 1)).astype(np.float32)
@@ -106,6 +106,8 @@ def test_column_sums_of_a_fused_tree(gpu):
     params = {"gpu": True, "chunks": 256} if gpu else {}
     spec = KernelSpec.make("colsum", F=H * C, expr=expr, shape=("n", H, C),
                            in_shapes=[("n", H, 1), ("n", H, C), (H, C)], **params)
-    out = _run(spec, False, [ds, h, b], (H * C,))
+    args = [ds, h, b]
+    # the CPU chunking also against the CPU definition (rows added whole, in order)
+    out = _run(spec, False, args, (H * C,)) if gpu else _both(spec, args, (H * C,))
     ref = (ds.astype(np.float64) * h + b).sum(0).reshape(-1)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)

@@ -38,7 +38,7 @@ from gcomp.codegen import epilogue as epi
 from gcomp.codegen.aggregate_kernel import (NEG_INF, _finish, attention_buffers,
                                             drop_factor, finish_attention_stats, leaky,
                                             slope_factor, times)
-from gcomp.codegen.dense_kernels import _lanes
+from gcomp.codegen.dense_kernels import CHUNKS, _dims, _lanes, _tree, _unflatten
 from gcomp.codegen.fastmath import fast_exp
 from gcomp.codegen.kernels import arg, definer
 from gcomp.runtime.plan import FEED_PARTS, NONFINITE
@@ -515,6 +515,50 @@ def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = 16):
     return ib.get()
 
 
+
+
+@definer("colsum", target="llvm")
+def colsum(F: int, chunks: int = CHUNKS, gpu: bool = False, expr: tuple | None = None,
+           in_shapes: tuple | None = None, shape: tuple | None = None):
+    """out[f] = sum_i x[i, f] over the rows, or of a fused elementwise ``expr`` (as the
+    generic kernel): ``chunks`` row ranges in parallel, each row added whole into its
+    range's vector accumulator, so rows are read once and in order; the generic kernel,
+    scheduled, walks each range once per vector of columns (arxiv-synth, three interleaved
+    runs: 128 columns 6.0-9.9 -> 2.2-3.5 ms, GAT's sum(ds * h, 0) over [N, 4, 32] 6.0-6.6
+    -> 2.1-3.2 ms, 32 columns the same)."""
+    if gpu:
+        return None
+    P, f32, i64 = chunks, "float32", "int64"
+    with IRBuilder() as ib:
+        with T.prim_func():
+            T.func_name("colsum")
+            T.func_attr({"tirx.noalias": True})
+            n = tirx.Var("n", i64)
+            if expr is None:
+                x = arg("x", (n, F), f32)
+
+                def value(i, f):
+                    return x[i, f]
+            else:
+                ins = [arg(f"in{k}", _dims(sh, n), f32) for k, sh in enumerate(in_shapes)]
+                leaves, dims = list(zip(ins, in_shapes)), [int(d) for d in shape[1:]]
+
+                def value(i, f):
+                    return _tree(expr, leaves, (i,) + _unflatten(f, dims), shape)
+            out = arg("out", (F,), f32)
+            part = T.alloc_buffer((P, F), f32)
+            with T.parallel(0, P) as p:
+                lo = T.Bind(n * tirx.Cast(i64, p) // tirx.const(P, i64))
+                hi = T.Bind(n * tirx.Cast(i64, p + 1) // tirx.const(P, i64))
+                _features(F, lambda f: T.buffer_store(part, tirx.const(0.0, f32), [p, f]))
+                with T.serial(0, hi - lo) as r:
+                    i = lo + r
+                    _features(F, lambda f, i=i: T.buffer_store(part, part[p, f] + value(i, f),
+                                                               [p, f]))
+            _features(F, lambda f: T.buffer_store(out, part[0, f], [f]))
+            with T.serial(1, P) as q:
+                _features(F, lambda f: T.buffer_store(out, out[f] + part[q, f], [f]))
+    return ib.get()
 
 
 @definer("feed_rows", target="llvm")
