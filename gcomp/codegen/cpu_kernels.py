@@ -38,7 +38,7 @@ from gcomp.codegen import epilogue as epi
 from gcomp.codegen.aggregate_kernel import (NEG_INF, _finish, attention_buffers,
                                             drop_factor, finish_attention_stats, leaky,
                                             slope_factor, times)
-from gcomp.codegen.dense_kernels import CHUNKS, _dims, _lanes, _tree, _unflatten
+from gcomp.codegen.dense_kernels import CHUNKS, _lanes, colsum_rows
 from gcomp.codegen.fastmath import fast_exp
 from gcomp.codegen.kernels import arg, definer
 from gcomp.runtime.plan import FEED_PARTS, NONFINITE
@@ -51,6 +51,14 @@ VEC = 16                # floats per vector chunk
 # more values take 64, so the K / TA accumulator tiles are loaded and stored a quarter as
 # often (128 x 32 on arxiv-synth: 9.4 -> 8.0 ms; 32 x 32 is fastest at 16, interleaved)
 TN_BLOCK, TN_BLOCK_LONG = 16, 64
+
+
+def _row_range(n, p, parts: int):
+    """Rows [lo, hi) of range ``p`` of ``parts`` contiguous ranges of about n / parts rows
+    (each bound once, as a local scalar)."""
+    i64 = "int64"
+    return (T.Bind(n * tirx.Cast(i64, p) // tirx.const(parts, i64)),
+            T.Bind(n * tirx.Cast(i64, p + 1) // tirx.const(parts, i64)))
 
 
 def _features(width: int, emit) -> None:
@@ -483,8 +491,7 @@ def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = 16):
             x, y, out = _args([("x", (n, K), f32), ("y", (n, M), f32), ("out", (K, M), f32)])
             part = T.alloc_buffer((P, K, M), f32)
             with T.parallel(0, P) as p:
-                lo = T.Bind(n * tirx.Cast(i64, p) // tirx.const(P, i64))
-                hi = T.Bind(n * tirx.Cast(i64, p + 1) // tirx.const(P, i64))
+                lo, hi = _row_range(n, p, P)
                 with T.serial(0, K) as a:
                     _features(M, lambda j: T.buffer_store(part, tirx.const(0.0, f32), [p, a, j]))
                 def tiles(first, rows):
@@ -534,22 +541,11 @@ def colsum(F: int, chunks: int = CHUNKS, gpu: bool = False, expr: tuple | None =
             T.func_name("colsum")
             T.func_attr({"tirx.noalias": True})
             n = tirx.Var("n", i64)
-            if expr is None:
-                x = arg("x", (n, F), f32)
-
-                def value(i, f):
-                    return x[i, f]
-            else:
-                ins = [arg(f"in{k}", _dims(sh, n), f32) for k, sh in enumerate(in_shapes)]
-                leaves, dims = list(zip(ins, in_shapes)), [int(d) for d in shape[1:]]
-
-                def value(i, f):
-                    return _tree(expr, leaves, (i,) + _unflatten(f, dims), shape)
+            value, _ = colsum_rows(F, n, expr, in_shapes, shape)
             out = arg("out", (F,), f32)
             part = T.alloc_buffer((P, F), f32)
             with T.parallel(0, P) as p:
-                lo = T.Bind(n * tirx.Cast(i64, p) // tirx.const(P, i64))
-                hi = T.Bind(n * tirx.Cast(i64, p + 1) // tirx.const(P, i64))
+                lo, hi = _row_range(n, p, P)
                 _features(F, lambda f: T.buffer_store(part, tirx.const(0.0, f32), [p, f]))
                 with T.serial(0, hi - lo) as r:
                     i = lo + r
@@ -580,8 +576,7 @@ def feed_rows(F: int):
             with T.parallel(0, FEED_PARTS) as p:
                 acc = T.alloc_buffer((F,), i32, scope="local")
                 _features(F, lambda f: T.buffer_store(acc, tirx.const(0, i32), [f]))
-                lo = T.Bind(n * tirx.Cast(i64, p) // tirx.const(FEED_PARTS, i64))
-                hi = T.Bind(n * tirx.Cast(i64, p + 1) // tirx.const(FEED_PARTS, i64))
+                lo, hi = _row_range(n, p, FEED_PARTS)
                 with T.serial(0, hi - lo) as r:
                     def copy(f, i=lo + r):
                         T.buffer_store(out, x[i, f], [i, f])
@@ -653,8 +648,7 @@ def _rows_in_parts(n, C: int, body) -> None:
     with T.If(n * tirx.const(C, i64) >= tirx.const(CE_PARALLEL, i64)):
         with T.Then():
             with T.parallel(0, CE_PARTS) as p:
-                rows(p, T.Bind(n * tirx.Cast(i64, p) // tirx.const(CE_PARTS, i64)),
-                     T.Bind(n * tirx.Cast(i64, p + 1) // tirx.const(CE_PARTS, i64)))
+                rows(p, *_row_range(n, p, CE_PARTS))
         with T.Else():
             rows(0, tirx.const(0, i64), n)
 

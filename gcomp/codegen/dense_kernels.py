@@ -394,11 +394,7 @@ def colsum(F: int, chunks: int = CHUNKS, gpu: bool = False, expr: tuple | None =
             IB.func_name("colsum")
             IB.func_attr({"tirx.noalias": True})
             n = tirx.Var("n", "int64")
-            if expr is None:
-                x, leaves = arg("x", (n, F), f32), None
-            else:
-                ins = [arg(f"in{k}", _dims(sh, n), f32) for k, sh in enumerate(in_shapes)]
-                leaves = list(zip(ins, in_shapes))
+            value, bufs = colsum_rows(F, n, expr, in_shapes, shape)
             out = arg("out", (F,), f32)
             part = IB.sblock_alloc_buffer((P, F), f32)
             IRBuilder.name("part", part)
@@ -407,18 +403,13 @@ def colsum(F: int, chunks: int = CHUNKS, gpu: bool = False, expr: tuple | None =
                     vp = IB.axis.spatial(P, p)
                     vf = IB.axis.spatial(F, f)
                     IRBuilder.name_many(["p", "f", "vp", "vf"], [p, f, vp, vf])
-                    IB.reads(*([x[0:n, vf]] if leaves is None else
-                               [b[tuple(slice(0, d) for d in b.shape)] for b, _ in leaves]))
+                    IB.reads(*([bufs[0][0:n, vf]] if expr is None else
+                               [b[tuple(slice(0, d) for d in b.shape)] for b in bufs]))
                     IB.writes(part[vp, vf])
                     IB.buffer_store(part, tirx.const(0.0, f32), [vp, vf])
                     with IB.serial(vp * n // P, (vp + 1) * n // P) as i:
                         IRBuilder.name("i", i)
-                        if leaves is None:
-                            val = x[i, vf]
-                        else:
-                            idx = (i,) + _unflatten(vf, [int(d) for d in shape[1:]])
-                            val = _tree(expr, leaves, idx, shape)
-                        IB.buffer_store(part, part[vp, vf] + val, [vp, vf])
+                        IB.buffer_store(part, part[vp, vf] + value(i, vf), [vp, vf])
             with IB.serial(0, F) as f:
                 with IB.sblock("sum"):
                     vf = IB.axis.spatial(F, f)
@@ -431,6 +422,20 @@ def colsum(F: int, chunks: int = CHUNKS, gpu: bool = False, expr: tuple | None =
                         IRBuilder.name("q", q)
                         IB.buffer_store(out, out[vf] + part[q, vf], [vf])
     return ib.get()
+
+
+def colsum_rows(F: int, n, expr: tuple | None, in_shapes: tuple | None,
+                shape: tuple | None):
+    """Declare a column sum's inputs in the PrimFunc being built: ``x`` [n, F], or the
+    leaves of a fused ``expr`` of ``shape`` (flattened to [n, F]).  Returns (value(i, f),
+    the buffers)."""
+    f32 = "float32"
+    if expr is None:
+        x = arg("x", (n, F), f32)
+        return (lambda i, f: x[i, f]), [x]
+    ins = [arg(f"in{k}", _dims(sh, n), f32) for k, sh in enumerate(in_shapes)]
+    leaves, dims = list(zip(ins, in_shapes)), [int(d) for d in shape[1:]]
+    return (lambda i, f: _tree(expr, leaves, (i,) + _unflatten(f, dims), shape)), ins
 
 
 def _unflatten(f, dims: list) -> tuple:

@@ -586,15 +586,16 @@ class _Lowering:
         x = n.inputs[0]
         self.buffer(n)
         axis = n.attrs["axis"] % x.ty.rank
-        fused = {} if tree is None else {"expr": tree[0],
-                                         "in_shapes": [_spec_shape(v.ty) for v in tree[1]]}
-        ins = [self.arg(x)] if tree is None else [self.arg(v) for v in tree[1]]
-        if (axis == 0 and n.op == Op.SUM and not n.attrs["keepdims"] and x.ty.rank >= 2
-                and not isinstance(x.ty.shape[0], int)):  # column sums over nodes or edges
+        colsum = (axis == 0 and n.op == Op.SUM and not n.attrs["keepdims"] and x.ty.rank >= 2
+                  and not isinstance(x.ty.shape[0], int))  # column sums over nodes or edges
+        if tree is None:
+            fused, ins = {}, [self.arg(x, self.flat2(x) if colsum else None)]
+        else:
+            fused = {"expr": tree[0], "in_shapes": [_spec_shape(v.ty) for v in tree[1]]}
+            ins = [self.arg(v) for v in tree[1]]
+        if colsum:
             F = int(prod(x.ty.shape[1:]))
-            if tree is None:
-                ins = [self.arg(x, self.flat2(x))]
-            else:
+            if tree is not None:
                 fused["shape"] = _spec_shape(x.ty)
             self.step(n, KernelSpec.make("colsum", F=F, **fused), ins + [self.arg(n, [F])])
             return

@@ -14,9 +14,8 @@ from tvm.script import tirx as T
 
 from gcomp.codegen.aggregate_kernel import _finish
 from gcomp.codegen.fastmath import fast_exp
-from gcomp.codegen.rng_expr import keep
 from gcomp.codegen.kernels import definer
-from gcomp.ir import rng
+from gcomp.codegen.rng_expr import keep
 
 NEG_INF = -3.4028234663852886e38
 

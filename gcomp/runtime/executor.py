@@ -260,8 +260,8 @@ class Executor:
             if key not in arrays:
                 a = structures[gname].array(array)
                 # on the CPU the kernels read the structure's own arrays (a copy would
-                # double the graph's memory: 20 MB of CSR and CSC on arxiv-size)
-                # (numpy gives an empty array strides TVM calls non-compact)
+                # double the graph's memory: 20 MB of CSR and CSC on arxiv-size); not
+                # empty ones, whose numpy strides TVM calls non-compact
                 arrays[key] = (tvm_ffi.from_dlpack(np.ascontiguousarray(a))
                                if self.on_cpu and a.size else tvm.runtime.tensor(a, self.device))
             return arrays[key]
