@@ -201,14 +201,41 @@ def test_matmul_with_bias():
     run_both(lambda x, g, w, W, b: ((x @ W) + b).relu(), params=[(6, 20), (20,)])
 
 
-@pytest.mark.parametrize("K,M", [(300, 16), (260, 45), (130, 64), (128, 130), (16, 7), (9, 3)])
+@pytest.mark.parametrize("K,M", [(300, 16), (260, 45), (130, 64), (128, 40), (16, 7), (9, 3)])
 def test_matmul_in_row_groups(K, M):
-    """Widths where the CPU matmul multiplies groups of rows (long rows, wide outputs,
-    widths the vector unit does not divide), with a bias and activation in the epilogue
-    and a node count that leaves the last group short."""
+    """Widths where the CPU matmul multiplies groups of rows on this machine (long rows,
+    wide outputs, widths the vector unit does not divide), with a bias and activation in
+    the epilogue and a node count that leaves the last group short."""
     from gcomp.codegen.cpu_kernels import _matmul_rows
-    assert _matmul_rows(K, M) is not None
+    from gcomp.codegen.kernels import vector_isa
+    assert _matmul_rows(K, M, vector_isa("llvm")) is not None
     run_both(lambda x, g, w, W, b: ((x @ W) + b).relu(), F=K, params=[(K, M), (M,)], n=67)
+
+
+@pytest.mark.parametrize("isa,K,M", [("avx2", 300, 16), ("avx2", 128, 130), ("avx2", 9, 3),
+                                     ("avx512", 128, 32), ("avx512", 32, 40),
+                                     ("avx512", 130, 64), ("avx512", 500, 16),
+                                     ("avx512", 16, 7)])
+def test_matmul_row_groups_of_each_isa(isa, K, M):
+    """The row-group matmul as each vector ISA sizes it (group rows, prefetch distance),
+    compiled for this machine: bias and ReLU epilogue, row counts that leave the last group
+    short, smaller than one group, or empty; against float64."""
+    import tvm
+    from gcomp.codegen.cpu_kernels import _matmul_rows, matmul
+    from gcomp.codegen.build import make_target
+    assert _matmul_rows(K, M, isa) is not None
+    chain = (("add", (), 0, False), ("relu", (), None, False))
+    func = matmul(K, M, epilogue=chain, extras=("vec",), isa=isa).with_attr("global_symbol", "mm")
+    fn = tvm.compile(tvm.IRModule({"mm": func}), target=tvm.target.Target(make_target("llvm")))["mm"]
+    rng = np.random.default_rng(K * M)
+    w = rng.standard_normal((K, M)).astype(np.float32)
+    b = rng.standard_normal(M).astype(np.float32)
+    for n in (0, 1, 5, 67, 1000):
+        x = rng.standard_normal((n, K)).astype(np.float32)
+        out = tvm.runtime.tensor(np.full((n, M), np.nan, np.float32))
+        fn(tvm.runtime.tensor(x), tvm.runtime.tensor(w), tvm.runtime.tensor(b), out)
+        ref = np.maximum(x.astype(np.float64) @ w + b, 0.0)
+        assert np.abs(out.numpy() - ref).max(initial=0.0) <= 1e-5 * max(1.0, np.abs(ref).max(initial=0.0)), n
 
 
 @pytest.mark.parametrize("K,M", [(128, 32), (32, 40), (12, 7), (1433, 16), (3, 64), (128, 128),

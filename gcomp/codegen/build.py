@@ -60,7 +60,7 @@ def schedule_module(specs: dict[str, KernelSpec], target: dict) -> tvm.IRModule:
         raise CompileError(f"no schedules for target {target['kind']!r} yet")
     funcs = {}
     for name, spec in sorted(specs.items()):
-        func = target_definition(spec, target["kind"])
+        func = target_definition(spec, target)
         if func is not None:  # written with its loop kinds
             funcs[name] = func
             continue

@@ -47,6 +47,7 @@ PARTS = 256             # row ranges of equal work (in-edges + rows) shared out 
 PREFETCH_DISTANCE = 32  # edges ahead: measured best of 16 / 32 / 64 / 128 at 32 features
 PREFETCH_LINES = 8      # cache lines prefetched per row (longer rows: the stream prefetcher)
 VEC = 16                # floats per vector chunk
+PREFETCH_BYTES = 8192   # how far ahead the dense kernels prefetch the rows they stream
 # rows per block of the weight-gradient product (x and y rows in L1); x rows of 128 or
 # more values take 64, so the K / TA accumulator tiles are loaded and stored a quarter as
 # often (128 x 32 on arxiv-synth: 9.4 -> 8.0 ms; 32 x 32 is fastest at 16, interleaved)
@@ -119,12 +120,28 @@ def _if(cond):
             yield
 
 
+def _prefetch_line(x, row, col) -> None:
+    """Prefetch the cache line holding ``x[row, col]`` into all cache levels."""
+    addr = tirx.address_of(x[row, col])
+    T.evaluate(tirx.call_llvm_intrin("void", "llvm.prefetch.p0", addr, tirx.const(0, "uint32"),
+                                     tirx.const(3, "uint32"), tirx.const(1, "uint32")))
+
+
 def _prefetch(x, row, width: int) -> None:
-    """Prefetch the first lines of ``x[row, :width]`` into all cache levels."""
+    """Prefetch the first lines of ``x[row, :width]``."""
     for q in range(min((width + VEC - 1) // VEC, PREFETCH_LINES)):
-        addr = tirx.address_of(x[row, q * VEC])
-        T.evaluate(tirx.call_llvm_intrin("void", "llvm.prefetch.p0", addr, tirx.const(0, "uint32"),
-                                         tirx.const(3, "uint32"), tirx.const(1, "uint32")))
+        _prefetch_line(x, row, q * VEC)
+
+
+def _prefetch_rows(x, first, rows: int, width: int, n) -> None:
+    """Prefetch every line of rows ``first .. first + rows - 1`` of ``x`` (those past the
+    last row ``n - 1`` clamp to it).  The dense kernels stream rows in groups of a page or
+    so, and the hardware prefetcher stops at each page boundary: asking for the next group
+    while this one is multiplied keeps the memory busy (measured below)."""
+    with T.serial(0, rows) as r:
+        row = tirx.min(first + r, n - 1)
+        with T.serial(0, (width + VEC - 1) // VEC) as q:
+            _prefetch_line(x, row, q * VEC)
 
 
 def _args(spec):
@@ -401,26 +418,40 @@ def attention_grad_src(H: int, C: int, slope: float, p: float = 0.0, seed: int =
     return ib.get()
 
 
-def _matmul_rows(K: int, M: int) -> int | None:
+def _matmul_rows(K: int, M: int, isa: str) -> int | None:
     """Rows per group of the row-group matmul, or None where the scheduled row-at-a-time
-    kernel (``schedules/cpu.py``) was faster.  Measured on arxiv/pubmed-size inputs (2
-    threads, 9 interleaved runs): row groups win for long rows (K >= 256: 500 -> 16 5.5 ->
-    2.7 ms, 1433 -> 16 5.5 -> 2.5 ms), wide outputs over K >= 128 (128 -> 128 7.5 -> 4.6
-    ms) and widths the vector unit does not divide (16 -> 7 4.0 -> 1.2 ms); rows at a time
-    win for short rows into 16 to 64 columns (32 -> 32 2.5 vs 3.7 ms, 128 -> 32 16.8 vs
-    16.9 at best)."""
+    kernel (``schedules/cpu.py``) was faster.  With AVX-512 (Intel Xeon, 2 threads,
+    arxiv-size inputs, 11 interleaved runs) a group's sums fit in 16 of the 32 registers
+    and groups win from K = 32 (128 -> 32 8.3 -> 5.0 ms in cache, 13.6 -> 6.4 from memory
+    with the prefetch; 40 -> 32 1.9 -> 1.4; 128 -> 128 34 -> 21; 1433 -> 16 124 -> 38 with
+    16 rows), rows at a time for shorter rows (16 -> 32 0.65 vs 0.79 ms) and outputs of 16
+    vectors or more (128 -> 256).  With AVX2 (AMD EPYC, 16 registers of 8 floats, 9
+    interleaved runs) groups win for long rows (K >= 256: 500 -> 16 5.5 -> 2.7 ms, 1433 ->
+    16 5.5 -> 2.5 ms), wide outputs over K >= 128 (128 -> 128 7.5 -> 4.6 ms) and widths the
+    vector unit does not divide (16 -> 7 4.0 -> 1.2 ms); rows at a time win for short rows
+    into 16 to 64 columns (32 -> 32 2.5 vs 3.7 ms, 128 -> 32 16.8 vs 16.9 at best)."""
+    if isa == "avx512":
+        if K < 32 and M % 8 == 0:
+            return None
+        vectors = -(-M // VEC)
+        R = 16 if vectors == 1 and K >= 128 else 8
+        while R * vectors > 16:
+            R //= 2
+        return R if R >= 2 else None
     if not (K >= 256 or (K >= 128 and M >= 64) or M % 8 != 0):
         return None
     return 8 if M <= 32 else 4 if M < 64 else 2
 
 
 @definer("matmul", target="llvm")
-def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = ()):
+def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = (), isa: str = "avx2"):
     """out[i, j] = epilogue(sum_k x[i, k] * w[k, j]), R rows at a time: each row of w
     loaded serves R rows of x, whose sums stay in registers (the row-at-a-time schedule
     loads a row of w per multiply-add).  Rows past n in the last group repeat row n - 1
-    and are not stored.  None (the generic kernel, scheduled) where that is faster."""
-    R = _matmul_rows(K, M)
+    and are not stored.  The rows of the group ``PREFETCH_BYTES`` ahead are prefetched
+    (128 -> 32 on arxiv-size x read from memory: 7.9 -> 6.4 ms; 40 -> 32 2.6 -> 2.1).
+    None (the generic kernel, scheduled) where that is faster."""
+    R = _matmul_rows(K, M, isa)
     if R is None:
         return None
     f32 = "float32"
@@ -435,8 +466,10 @@ def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = ()):
             bufs = dict(zip([s[0] for s in spec], _args(spec)))
             x, w, out = bufs["x"], bufs["w"], bufs["out"]
             extra = [bufs[f"e{k}"] for k in range(len(extras))]
+            ahead = max(1, PREFETCH_BYTES // (R * K * 4))  # groups
             with T.parallel(0, (n + R - 1) // R) as g:
                 acc = T.alloc_buffer((R, M), f32, scope="local")
+                _prefetch_rows(x, (g + ahead) * R, R, K, n)
                 for r in range(R):
                     _features(M, lambda j, r=r: T.buffer_store(acc, tirx.const(0.0, f32), [r, j]))
                 with T.serial(0, K) as k:
@@ -474,7 +507,8 @@ def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = 16):
     for each TA x TB tile of the result, the block's rows stream past an accumulator held
     in registers, so the block (in L1) is read from memory once, not once per tile: the
     scheduled generic kernel swept each range's rows once per tile (128 x 32 on
-    arxiv-synth: 14.6 ms)."""
+    arxiv-synth: 14.6 ms).  The next block's rows are prefetched while one is added (128 x
+    32 from memory on the Intel machine: 11.4 -> 7.6 ms; 32 x 40 2.8 -> 2.5)."""
     if gpu:
         return None
     tile = _matmul_tn_tile(K, M)
@@ -513,6 +547,8 @@ def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = 16):
                 B = TN_BLOCK_LONG if K >= 128 else TN_BLOCK
                 full = T.Bind((hi - lo) // B)
                 with T.serial(0, full) as blk:
+                    _prefetch_rows(x, lo + (blk + 1) * B, B, K, n)  # the next block
+                    _prefetch_rows(y, lo + (blk + 1) * B, B, M, n)
                     tiles(lo + blk * B, B)
                 tiles(lo + full * B, hi - lo - full * B)
             with T.parallel(0, K) as a:

@@ -28,6 +28,7 @@ by TVM's vectorizer and gives wrong sums).
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 from dataclasses import dataclass
 
@@ -82,15 +83,37 @@ def arg(name: str, shape, dtype: str):
     return buf
 
 
-def target_definition(spec: KernelSpec, target: str):
+def vector_isa(target: dict | str) -> str:
+    """``avx512`` when the CPU target has AVX-512 (32 vector registers of 16 floats), else
+    ``avx2``: register tiles of the CPU definitions are sized by it.  It chooses loop
+    structures only; the instructions are LLVM's for the target's ``mcpu``."""
+    import tvm
+    from tvm.target import codegen
+    if isinstance(target, str):
+        from gcomp.codegen.build import make_target
+        target = make_target(target)
+    if target["kind"] != "llvm":
+        return "avx2"
+    return "avx512" if codegen.target_has_features("avx512f", tvm.target.Target(target)) \
+        else "avx2"
+
+
+def target_definition(spec: KernelSpec, target: dict | str):
     """``target``'s own PrimFunc for ``spec`` (already scheduled), named ``spec.name``, or
-    None: the kind has none for the target, or its definer declines these parameters."""
-    fn = _DEFINERS.get((spec.kind, target))
-    func = fn(**spec.p) if fn is not None else None
+    None: the kind has none for the target, or its definer declines these parameters.
+    A definer with an ``isa`` parameter gets the target's ``vector_isa``."""
+    kind = target if isinstance(target, str) else target["kind"]
+    fn = _DEFINERS.get((spec.kind, kind))
+    if fn is None:
+        return None
+    params = spec.p
+    if "isa" in inspect.signature(fn).parameters:
+        params["isa"] = vector_isa(target)
+    func = fn(**params)
     return None if func is None else func.with_attr("global_symbol", spec.name)
 
 
-def define(spec: KernelSpec, target: str | None = None):
+def define(spec: KernelSpec, target: dict | str | None = None):
     """The PrimFunc of ``spec`` named ``spec.name``: ``target``'s own definition if it has
     one for these parameters (already scheduled), else the generic, unscheduled one."""
     func = target_definition(spec, target) if target is not None else None
