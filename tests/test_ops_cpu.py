@@ -207,25 +207,26 @@ def test_matmul_in_row_groups(K, M):
     wide outputs, widths the vector unit does not divide), with a bias and activation in
     the epilogue and a node count that leaves the last group short."""
     from gcomp.codegen.cpu_kernels import _matmul_rows
-    from gcomp.codegen.kernels import vector_isa
-    assert _matmul_rows(K, M, vector_isa("llvm")) is not None
+    from gcomp.codegen.kernels import cpu_tuning
+    assert _matmul_rows(K, M, cpu_tuning("llvm")) is not None
     run_both(lambda x, g, w, W, b: ((x @ W) + b).relu(), F=K, params=[(K, M), (M,)], n=67)
 
 
-@pytest.mark.parametrize("isa,K,M", [("avx2", 300, 16), ("avx2", 128, 130), ("avx2", 9, 3),
+@pytest.mark.parametrize("tuning,K,M", [("default", 300, 16), ("default", 128, 130),
+                                        ("default", 9, 3),
                                      ("avx512", 128, 32), ("avx512", 32, 40),
                                      ("avx512", 130, 64), ("avx512", 500, 16),
                                      ("avx512", 16, 7)])
-def test_matmul_row_groups_of_each_isa(isa, K, M):
-    """The row-group matmul as each vector ISA sizes it (group rows, prefetch distance),
+def test_matmul_row_groups_of_each_tuning(tuning, K, M):
+    """The row-group matmul as each tuning table sizes it (group rows, prefetch distance),
     compiled for this machine: bias and ReLU epilogue, row counts that leave the last group
     short, smaller than one group, or empty; against float64."""
     import tvm
     from gcomp.codegen.cpu_kernels import _matmul_rows, matmul
     from gcomp.codegen.build import make_target
-    assert _matmul_rows(K, M, isa) is not None
+    assert _matmul_rows(K, M, tuning) is not None
     chain = (("add", (), 0, False), ("relu", (), None, False))
-    func = matmul(K, M, epilogue=chain, extras=("vec",), isa=isa).with_attr("global_symbol", "mm")
+    func = matmul(K, M, epilogue=chain, extras=("vec",), tuning=tuning).with_attr("global_symbol", "mm")
     fn = tvm.compile(tvm.IRModule({"mm": func}), target=tvm.target.Target(make_target("llvm")))["mm"]
     rng = np.random.default_rng(K * M)
     w = rng.standard_normal((K, M)).astype(np.float32)

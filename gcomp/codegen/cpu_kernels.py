@@ -418,19 +418,20 @@ def attention_grad_src(H: int, C: int, slope: float, p: float = 0.0, seed: int =
     return ib.get()
 
 
-def _matmul_rows(K: int, M: int, isa: str) -> int | None:
+def _matmul_rows(K: int, M: int, tuning: str) -> int | None:
     """Rows per group of the row-group matmul, or None where the scheduled row-at-a-time
-    kernel (``schedules/cpu.py``) was faster.  With AVX-512 (Intel Xeon, 2 threads,
-    arxiv-size inputs, 11 interleaved runs) a group's sums fit in 16 of the 32 registers
-    and groups win from K = 32 (128 -> 32 8.3 -> 5.0 ms in cache, 13.6 -> 6.4 from memory
-    with the prefetch; 40 -> 32 1.9 -> 1.4; 128 -> 128 34 -> 21; 1433 -> 16 124 -> 38 with
-    16 rows), rows at a time for shorter rows (16 -> 32 0.65 vs 0.79 ms) and outputs of 16
-    vectors or more (128 -> 256).  With AVX2 (AMD EPYC, 16 registers of 8 floats, 9
-    interleaved runs) groups win for long rows (K >= 256: 500 -> 16 5.5 -> 2.7 ms, 1433 ->
-    16 5.5 -> 2.5 ms), wide outputs over K >= 128 (128 -> 128 7.5 -> 4.6 ms) and widths the
-    vector unit does not divide (16 -> 7 4.0 -> 1.2 ms); rows at a time win for short rows
-    into 16 to 64 columns (32 -> 32 2.5 vs 3.7 ms, 128 -> 32 16.8 vs 16.9 at best)."""
-    if isa == "avx512":
+    kernel (``schedules/cpu.py``) was faster (``tuning``: ``kernels.cpu_tuning``).
+    ``avx512`` (Intel Xeon, 2 threads, arxiv-size inputs, 11 interleaved runs): a group's
+    sums fill 16 of the 32 vector registers, and groups win from K = 32 (128 -> 32 8.3 ->
+    5.0 ms in cache, 13.6 -> 6.4 read from memory with the prefetch; 40 -> 32 1.9 -> 1.4;
+    128 -> 128 34 -> 21; 1433 -> 16 124 -> 38 with 16 rows); rows at a time for shorter
+    rows (16 -> 32 0.65 vs 0.79 ms) and outputs of 16 vectors or more (128 -> 256).
+    ``default`` (AMD EPYC Zen 4, 9 interleaved runs): groups win for long rows (K >= 256:
+    500 -> 16 5.5 -> 2.7 ms, 1433 -> 16 5.5 -> 2.5 ms), wide outputs over K >= 128 (128 ->
+    128 7.5 -> 4.6 ms) and widths the vector unit does not divide (16 -> 7 4.0 -> 1.2 ms);
+    rows at a time for short rows into 16 to 64 columns (32 -> 32 2.5 vs 3.7 ms, 128 -> 32
+    16.8 vs 16.9 at best)."""
+    if tuning == "avx512":
         if K < 32 and M % 8 == 0:
             return None
         vectors = -(-M // VEC)
@@ -444,14 +445,16 @@ def _matmul_rows(K: int, M: int, isa: str) -> int | None:
 
 
 @definer("matmul", target="llvm")
-def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = (), isa: str = "avx2"):
+def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = (),
+           tuning: str = "default"):
     """out[i, j] = epilogue(sum_k x[i, k] * w[k, j]), R rows at a time: each row of w
     loaded serves R rows of x, whose sums stay in registers (the row-at-a-time schedule
     loads a row of w per multiply-add).  Rows past n in the last group repeat row n - 1
     and are not stored.  The rows of the group ``PREFETCH_BYTES`` ahead are prefetched
-    (128 -> 32 on arxiv-size x read from memory: 7.9 -> 6.4 ms; 40 -> 32 2.6 -> 2.1).
+    (128 -> 32 on arxiv-size x read from memory, Intel Xeon: 7.9 -> 6.4 ms; 40 -> 32 2.6
+    -> 2.1).
     None (the generic kernel, scheduled) where that is faster."""
-    R = _matmul_rows(K, M, isa)
+    R = _matmul_rows(K, M, tuning)
     if R is None:
         return None
     f32 = "float32"

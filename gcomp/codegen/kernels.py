@@ -83,32 +83,34 @@ def arg(name: str, shape, dtype: str):
     return buf
 
 
-def vector_isa(target: dict | str) -> str:
-    """``avx512`` when the CPU target has AVX-512 (32 vector registers of 16 floats), else
-    ``avx2``: register tiles of the CPU definitions are sized by it.  It chooses loop
+def cpu_tuning(target: dict | str) -> str:
+    """Which measured table sizes the register tiles of the CPU definitions: ``avx512`` for
+    CPUs that run 512-bit vectors at full width (Intel's AVX-512 cores: 32 registers of 16
+    floats, two 512-bit multiply-add units), else ``default`` (measured on AMD Zen 4, whose
+    AVX-512 runs as two 256-bit halves; also CPUs without AVX-512).  It chooses loop
     structures only; the instructions are LLVM's for the target's ``mcpu``."""
     import tvm
     from tvm.target import codegen
     if isinstance(target, str):
         from gcomp.codegen.build import make_target
         target = make_target(target)
-    if target["kind"] != "llvm":
-        return "avx2"
+    if target["kind"] != "llvm" or str(target.get("mcpu", "")).startswith("znver"):
+        return "default"
     return "avx512" if codegen.target_has_features("avx512f", tvm.target.Target(target)) \
-        else "avx2"
+        else "default"
 
 
 def target_definition(spec: KernelSpec, target: dict | str):
     """``target``'s own PrimFunc for ``spec`` (already scheduled), named ``spec.name``, or
     None: the kind has none for the target, or its definer declines these parameters.
-    A definer with an ``isa`` parameter gets the target's ``vector_isa``."""
+    A definer with a ``tuning`` parameter gets the target's ``cpu_tuning``."""
     kind = target if isinstance(target, str) else target["kind"]
     fn = _DEFINERS.get((spec.kind, kind))
     if fn is None:
         return None
     params = spec.p
-    if "isa" in inspect.signature(fn).parameters:
-        params["isa"] = vector_isa(target)
+    if "tuning" in inspect.signature(fn).parameters:
+        params["tuning"] = cpu_tuning(target)
     func = fn(**params)
     return None if func is None else func.with_attr("global_symbol", spec.name)
 
