@@ -82,7 +82,13 @@ def gcomp_aggregate(graph, width: int):
     art = compile_model(model)
     ex = art.executor()
     b = ex.bind(graph)
-    return ex, b, [s["kernel"] for s in art.plan.steps]
+    return ex, b, [s["kernel"] for s in art.plan.feed_steps + art.plan.steps]
+
+
+def aggregation_calls(b) -> list:
+    """The kernel calls of the aggregation: it runs when the features are fed (an
+    aggregation of an input is computed once per feed), or in the run steps."""
+    return [(fn, args) for _, fn, args in b.feed_steps] + list(b.steps)
 
 
 def main(argv=None) -> dict:
@@ -137,7 +143,7 @@ def main(argv=None) -> dict:
         b_min = bytes_fixed + n * F * 4
         b_noreuse = bytes_fixed + e * F * 4
         ex, b, kernels = gcomp_aggregate(graph, F)
-        ex.feed(b, {"x": x})
+        b = ex.feed(b, {"x": x})  # a new binding when x is not the one bound
         ref = A @ x
         ex.execute(b)
         out = ex.outputs(b)[0]
@@ -146,8 +152,9 @@ def main(argv=None) -> dict:
         row = {"F": F, "bytes_compulsory": b_min, "bytes_no_reuse": b_noreuse,
                "floor_ms": b_min / bw / 1e6, "floor_no_reuse_ms": b_noreuse / bw / 1e6,
                "gcomp_kernels": kernels, "gcomp_max_rel_diff": diff, "torch_max_rel_diff": tdiff}
+        calls = aggregation_calls(b)
         with torch.no_grad():
-            row["gcomp"] = timed(lambda: ex.execute(b), args.reps)
+            row["gcomp"] = timed(lambda: [fn(*a) for fn, a in calls], args.reps)
             row["scipy"] = timed(lambda: A @ x, args.reps)
             row["torch_sparse_mm"] = timed(lambda: torch.sparse.mm(At, xt), args.reps)
         for k in ("gcomp", "scipy", "torch_sparse_mm"):

@@ -230,6 +230,26 @@ def test_inference_sparse_variant_and_refeeding():
     assert rel_err(y2, interpret(m.graph, ref_inputs(m.graph, g, x2), m.params)[0]) < 1e-4
 
 
+def test_feeding_other_features_returns_the_binding_to_run():
+    """Sparse-feature kernels are bound to the features they were chosen for: feeding
+    others gives a new binding, and running the superseded one is refused (its inputs
+    were never fed) instead of computing from stale features."""
+    g = awkward_graph(num_nodes=60, num_edges=300, num_features=12, seed=2)
+    g.x[np.random.default_rng(1).random(g.x.shape) < 0.9] = 0.0
+    m = models.build("gcn", 12, hidden=8, out_channels=3)
+    ex = compile_model(m, sparse_threshold=0.5).executor()
+    b = ex.bind(g)
+    x2 = np.random.default_rng(5).standard_normal(g.x.shape).astype(np.float32)
+    fed = ex.feed(b, {"x": x2})
+    assert fed is not b
+    with pytest.raises(InputError, match="binding that feed\\(\\) returned"):
+        ex.execute(b)
+    ex.execute(fed)
+    from conftest import ref_inputs
+    ref = interpret(m.graph, ref_inputs(m.graph, g, x2), m.params)[0]
+    assert rel_err(ex.outputs(fed)[0], ref) < 1e-4
+
+
 @pytest.mark.parametrize("order", ["rcm", "degree"])
 def test_reordered_nodes_give_the_same_training_step(order):
     """Reordering is invisible: same loss, gradients and outputs, dropout included."""

@@ -506,6 +506,11 @@ class Executor:
         binding.buffers[name].copyfrom(x)
 
     def execute(self, binding: Binding) -> None:
+        if binding is not self._binding:
+            # its inputs were not fed: feed() may return a new binding (other features for
+            # sparse-feature kernels), and a later bind() replaces this one
+            raise InputError("this binding was replaced by a later bind() or feed(); run the "
+                             "binding that feed() returned")
         for fn, args in binding.steps:
             fn(*args)
 
