@@ -263,11 +263,12 @@ def test_weight_gradient_in_row_blocks(K, M):
         assert np.abs(out.numpy() - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max()), n
 
 
-@pytest.mark.parametrize("C", [16, 40, 33])
+@pytest.mark.parametrize("C", [16, 40, 33, 7])
 def test_cross_entropy_kernels_in_row_ranges(C):
     """The CPU loss and its gradient (rows in ranges, per-row max and sum folded across
-    vector lanes) against float64 numpy: masked rows, rows without a label (y = -1), row
-    counts on both sides of the parallel threshold, widths with and without a tail."""
+    vector lanes; 7 classes: the generic kernels) against float64 numpy: masked rows, rows
+    without a label (y = -1), row counts on both sides of the parallel threshold, widths
+    with and without a tail; the gradient reads the log-sum-exps the loss wrote."""
     import tvm
     from gcomp.codegen.build import build_library, make_target
     from gcomp.codegen.cpu_kernels import CE_PARALLEL
@@ -284,8 +285,9 @@ def test_cross_entropy_kernels_in_row_ranges(C):
         m[0] = 1.0
         T = tvm.runtime.tensor
         loss, grad = T(np.zeros((), np.float32)), T(np.full((n, C), np.nan, np.float32))
-        loss_fn(T(z), T(y), T(m), loss)
-        grad_fn(T(np.array(2.0, np.float32)), T(z), T(y), T(m), grad)
+        lse_out = T(np.full(n, np.nan, np.float32))
+        loss_fn(T(z), T(y), T(m), lse_out, loss)
+        grad_fn(T(np.array(2.0, np.float32)), T(z), T(y), T(m), lse_out, grad)
         zz = z.astype(np.float64)
         e = np.exp(zz - zz.max(1, keepdims=True))
         valid, yy = (m != 0) & (y >= 0), np.maximum(y, 0)
@@ -295,6 +297,7 @@ def test_cross_entropy_kernels_in_row_ranges(C):
         g[np.arange(n), yy] -= 1
         g = np.where(valid[:, None], g * (2.0 * m / m.sum())[:, None], 0)
         assert abs(float(loss.numpy()) - ref) <= 1e-5 * abs(ref)
+        assert np.abs(lse_out.numpy()[valid] - lse[valid]).max() <= 1e-5 * np.abs(lse).max()
         assert np.abs(grad.numpy() - g).max() <= 1e-5 * np.abs(g).max()
 
 

@@ -465,39 +465,42 @@ def _valid(m, y, i):
 
 @definer("cross_entropy")
 def cross_entropy(C: int):
-    """loss = sum_i m_i * (logsumexp(z_i) - z_i[y_i]) / sum_i m_i (rows with y < 0 skipped)."""
+    """loss = sum_i m_i * (lse_i - z_i[y_i]) / sum_i m_i (rows with y < 0 skipped), where
+    lse_i = logsumexp(z_i) is also written: the gradient kernel reads it (rows with m != 0
+    and y >= 0) instead of computing each row's max and sum again."""
     n = tirx.Var("n", "int64")
     z = te.placeholder((n, C), "float32", name="z")
     y = te.placeholder((n,), "int32", name="y")
     m = te.placeholder((n,), "float32", name="m")
     mx, ex, sm = _softmax_stats(z, C, n)
+    lse = te.compute((n,), lambda i: mx[i] + tirx.log(sm[i]), name="lse")
     row = te.compute((n,), lambda i: tirx.Select(
-        _valid(m, y, i), m[i] * (mx[i] + tirx.log(sm[i]) - z[i, tirx.max(y[i], 0)]), _f32(0)),
-        name="row")
+        _valid(m, y, i), m[i] * (lse[i] - z[i, tirx.max(y[i], 0)]), _f32(0)), name="row")
     r = te.reduce_axis((0, n), name="r")
     total = te.compute((), lambda: te.sum(row[r], axis=r), name="total")
     q = te.reduce_axis((0, n), name="q")
     count = te.compute((), lambda: te.sum(m[q], axis=q), name="count")
     out = te.compute((), lambda: total[()] / count[()], name="loss")
-    return te.create_prim_func([z, y, m, out])
+    return te.create_prim_func([z, y, m, lse, out])
 
 
 @definer("cross_entropy_grad")
 def cross_entropy_grad(C: int):
-    """dz = dy * (softmax(z) - onehot(y)) * m / sum(m)."""
+    """dz = dy * (softmax(z) - onehot(y)) * m / sum(m), softmax(z_i) = exp(z_i - lse_i) with
+    the loss kernel's lse."""
     n = tirx.Var("n", "int64")
     dy = te.placeholder((), "float32", name="dy")
     z = te.placeholder((n, C), "float32", name="z")
     y = te.placeholder((n,), "int32", name="y")
     m = te.placeholder((n,), "float32", name="m")
+    lse = te.placeholder((n,), "float32", name="lse")
     q = te.reduce_axis((0, n), name="q")
     count = te.compute((), lambda: te.sum(m[q], axis=q), name="count")
-    mx, ex, sm = _softmax_stats(z, C, n)
     out = te.compute((n, C), lambda i, c: tirx.Select(
         _valid(m, y, i),
-        (ex[i, c] / sm[i] - tirx.Select(y[i] == c, _f32(1), _f32(0))) * m[i] * dy[()]
+        (fast_exp(z[i, c] - lse[i]) - tirx.Select(y[i] == c, _f32(1), _f32(0))) * m[i] * dy[()]
         / count[()], _f32(0)), name="row")
-    return te.create_prim_func([dy, z, y, m, out])
+    return te.create_prim_func([dy, z, y, m, lse, out])
 
 
 def _adam_moment(g, p, m, beta, wd, square: bool):

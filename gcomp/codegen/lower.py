@@ -675,14 +675,23 @@ class _Lowering:
     def lower_cross_entropy(self, n: Node) -> None:
         z, y, m = n.inputs
         self.buffer(n)
+        lse = self.buffer(n, dims=[self.lead(z)], name=f"{n.name}.lse")
         self.step(n, KernelSpec.make("cross_entropy", C=int(z.ty.shape[1])),
-                  [self.arg(z), self.arg(y), self.arg(m), self.arg(n)])
+                  [self.arg(z), self.arg(y), self.arg(m), self.arg(lse), self.arg(n)])
 
     def lower_cross_entropy_grad(self, n: Node) -> None:
         dy, z, y, m = n.inputs
+        # the gradient reads the log-sum-exps its loss kernel wrote (autodiff derives it
+        # from a cross_entropy of the same operands, which comes first)
+        loss = next((u for u in z.users if u.op == Op.CROSS_ENTROPY
+                     and list(u.inputs) == [z, y, m]), None)
+        if loss is None or f"{loss.name}.lse" not in self.plan.buffers:
+            raise CompileError(f"%{n.name}: cross_entropy_grad needs the cross_entropy of the "
+                               "same operands before it")
         self.buffer(n)
         self.step(n, KernelSpec.make("cross_entropy_grad", C=int(z.ty.shape[1])),
-                  [self.arg(dy), self.arg(z), self.arg(y), self.arg(m), self.arg(n)])
+                  [self.arg(dy), self.arg(z), self.arg(y), self.arg(m),
+                   self.arg(f"{loss.name}.lse"), self.arg(n)])
 
     def lower_edge_dot(self, n: Node) -> None:
         g, x, y = n.inputs

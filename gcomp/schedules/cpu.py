@@ -74,8 +74,10 @@ def schedule(sch, spec) -> None:
         sch.parallel(outer)
     elif kind == "argmax_rows":  # data-dependent updates: rows in parallel only
         sch.parallel(sch.get_loops(sch.get_sblock("row"))[0])
-    elif kind in ("cross_entropy", "cross_entropy_grad"):
-        _softmax_rows(sch, p["C"])
+    elif kind == "cross_entropy":
+        _loss_rows(sch, p["C"])
+    elif kind == "cross_entropy_grad":
+        _loss_grad_rows(sch, p["C"])
     elif kind == "colsum":
         blk = sch.get_sblock("part")
         p_loop, f_loop = sch.get_loops(blk)
@@ -216,14 +218,19 @@ def _flat_update(sch, block: str, size: int) -> None:
         sch.parallel(outer)
 
 
-def _softmax_rows(sch, C: int) -> None:
-    """Loss kernels: per row, max and sum stay scalars, the exps vectorize over classes."""
-    row = sch.get_sblock("row")
-    i = sch.get_loops(row)[0]
+def _loss_rows(sch, C: int) -> None:
+    """Loss kernel: each row's max and sum of exps computed inside its log-sum-exp (scalars;
+    the exps vectorize over classes), rows in parallel."""
+    lse = sch.get_sblock("lse")
+    i = sch.get_loops(lse)[0]
     for name in ("rowsum", "exp", "rowmax"):
         sch.compute_at(sch.get_sblock(name), i)
     _vector_split(sch, sch.get_loops(sch.get_sblock("exp"))[-1], C)
-    loops = sch.get_loops(row)
-    if len(loops) > 1:
-        _vector_split(sch, loops[-1], C)
+    sch.parallel(i)
+
+
+def _loss_grad_rows(sch, C: int) -> None:
+    """Loss gradient: rows in parallel, classes vectorized."""
+    i, c = sch.get_loops(sch.get_sblock("row"))
+    _vector_split(sch, c, C)
     sch.parallel(i)

@@ -325,9 +325,10 @@ def _row_stats(sch, tx) -> None:
 
 
 def _cross_entropy(sch) -> None:
-    row = sch.get_sblock("row")
-    tx = _bind_flat(sch, row)
-    _row_stats(sch, tx)
+    """Thread per row for the log-sum-exp (its max and sum in registers) and for the masked
+    terms; the sums to scalars in one block."""
+    _row_stats(sch, _bind_flat(sch, sch.get_sblock("lse")))
+    _bind_flat(sch, sch.get_sblock("row"))
     for name in ("total", "count"):
         _reduce_to_scalar(sch, sch.get_sblock(name))
     _single_thread(sch, sch.get_sblock("loss"))
@@ -335,12 +336,7 @@ def _cross_entropy(sch) -> None:
 
 def _cross_entropy_grad(sch) -> None:
     _reduce_to_scalar(sch, sch.get_sblock("count"))
-    row = sch.get_sblock("row")
-    i, _c = sch.get_loops(row)
-    bx, tx = sch.split(i, [None, THREADS])
-    sch.bind(bx, "blockIdx.x")
-    sch.bind(tx, "threadIdx.x")
-    _row_stats(sch, tx)
+    _bind_flat(sch, sch.get_sblock("row"))
 
 
 # ---------------------------------------------------------------------- dispatch
