@@ -15,7 +15,7 @@ from collections import Counter
 
 from gcomp.codegen.build import build_library, device_code_format, make_target
 from gcomp.codegen.calibrate import calibrate_formats, calibrate_sparse_threshold
-from gcomp.codegen.kernels import KernelSpec
+from gcomp.codegen.kernels import KernelSpec, define
 from gcomp.codegen.lower import lower
 from gcomp.codegen.optimizer import OptimizerConfig, add_optimizer
 from gcomp.codegen.specialize import specialize
@@ -55,16 +55,30 @@ def _set_format_costs(plans, tgt: dict) -> None:
 
 
 def _add_feed_kernels(plans, specs: dict, tgt: dict) -> None:
-    """On the CPU, node features are checked and copied in by one parallel kernel that
-    reads the caller's array in place (``feed_rows``); the plan input names it."""
+    """On the CPU, node features are checked by one parallel kernel that reads the
+    caller's array in place, and copied in by the same pass (``feed_rows``) unless the
+    kernels can read them there (``check_rows``); the plan input names both."""
     if tgt["kind"] != "llvm":
         return
     for p in plans:
         for inp in (p.inputs if p is not None else ()):
             if inp["role"] == "node" and inp.get("dtype") == "float32" and len(inp["dims"]) == 2:
-                spec = KernelSpec.make("feed_rows", F=int(inp["dims"][1]))
-                specs[spec.name] = spec
-                inp["feed_kernel"] = spec.name
+                for kind, key in (("feed_rows", "feed_kernel"), ("check_rows", "check_kernel")):
+                    spec = KernelSpec.make(kind, F=int(inp["dims"][1]))
+                    specs[spec.name] = spec
+                    inp[key] = spec.name
+
+
+def _add_alignments(plans, specs: dict, tgt: dict) -> None:
+    """Record the byte alignment each CPU kernel assumes of each argument (4 for the
+    CPU definitions, 64 for the generic ones): the runtime hands a kernel the caller's
+    own array only where its alignment suffices (a misaligned one would crash it)."""
+    if tgt["kind"] != "llvm":
+        return
+    for p in plans:
+        if p is not None:
+            p.alignment = {k: [int(a.ty.data_alignment) for a in define(specs[k], tgt).params]
+                           for k in p.kernels()}
 
 
 def target_formats(tgt: dict) -> tuple:
@@ -121,6 +135,7 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
                 specialize(p, graph)
         used = {k for p in (plan, train_plan) if p is not None for k in p.kernels()}
         specs = {k: v for k, v in specs.items() if k in used}
+    _add_alignments([plan, train_plan], specs, tgt)
     lib_path = build_library(specs, tgt)
     params = {p.name: model.params[p.name] for p in model.graph.params}
     ops = dict(sorted(Counter(n.op.value for n in ir_graph).items()))

@@ -239,7 +239,8 @@ def test_finite_check_is_exact_when_the_sum_overflows():
 
 def test_features_are_fed_in_place_by_one_checking_kernel():
     """Dense float32 features are read where the caller keeps them (any 4-byte alignment)
-    by the feed kernel, which copies and checks them in one pass: same outputs as the
+    by the feed kernel, which copies and checks them in one pass when a kernel reading
+    them (here the generic 12 -> 8 product) needs 64-byte alignment: same outputs as the
     copying path (reordered nodes, float64 input), every non-finite entry named."""
     from conftest import awkward_graph, ref_inputs, rel_err
     from gcomp.errors import InputError
@@ -256,7 +257,7 @@ def test_features_are_fed_in_place_by_one_checking_kernel():
     ex = art.executor()
     ex.force_variants = {"sparse:x": False}
     b = ex.feed(ex.bind(g, {"x": x}), {"x": x})
-    assert b.order is None and b.reads >= {"x"}
+    assert b.order is None and b.reads >= {"x"} and b.in_place["x"]["need"] == 64
     ex.execute(b)
     assert rel_err(ex.outputs(b)[0], ref) <= 1e-4
     for order, value in (("degree", x), ("none", x.astype(np.float64))):  # copying paths
@@ -273,3 +274,73 @@ def test_features_are_fed_in_place_by_one_checking_kernel():
         y[299, 11] = bad
         with pytest.raises(InputError, match="first at node 299, feature 11"):
             ex.run(g, {"x": y})
+
+
+def _placed(a: np.ndarray, offset: int) -> np.ndarray:
+    """A float32 copy of ``a`` starting ``offset`` bytes past a 64-byte boundary."""
+    raw = np.zeros(a.size * 4 + 128, np.uint8)
+    start = -raw.ctypes.data % 64 + offset
+    out = raw[start:start + a.size * 4].view(np.float32).reshape(a.shape)
+    out[...] = a
+    return out
+
+
+@pytest.mark.parametrize("width, offset, in_place", [
+    (64, 4, True),    # CPU product kernels take any 4-byte alignment
+    (12, 16, False),  # the generic 12 -> 8 product assumes 64 bytes: copied in
+    (12, 0, True),    # ... which a 64-byte-aligned array has
+])
+def test_kernels_read_the_callers_features_where_every_reader_accepts_them(width, offset,
+                                                                           in_place):
+    """The check kernel reads the features once and the kernels read the caller's array
+    itself, never writing it, until the next feed: changing it between feed and execute
+    changes the result (documented); a feed that must copy (float64) points them back at
+    the binding's own buffer.  Outputs against the float64 interpreter."""
+    from conftest import awkward_graph, ref_inputs, rel_err
+    from gcomp.ir import interpret
+    m = models.build("gcn", width, hidden=8, out_channels=3, layers=2)
+    ex = compile_model(m).executor()
+    ex.force_variants, ex.reorder = {"sparse:x": False}, "none"
+    g = awkward_graph(num_nodes=300, num_edges=1500, num_features=width, seed=3)
+
+    def ref(x):
+        return interpret(m.graph, ref_inputs(m.graph, g, x), m.params)[0]
+
+    x = _placed(g.dense_x(), offset)
+    kept = x.copy()
+    b = ex.feed(ex.bind(g, {"x": x}), {"x": x})
+    assert b.in_place["x"]["need"] == (4 if width == 64 else 64)
+    ex.execute(b)
+    assert rel_err(ex.outputs(b)[0], ref(kept)) <= 1e-4
+    assert np.array_equal(x, kept)  # read, never written
+    x[:50] *= 2.0  # after the feed: seen by the kernels only where they read x in place
+    ex.execute(b)
+    assert rel_err(ex.outputs(b)[0], ref(x if in_place else kept)) <= 1e-4
+    other = g.dense_x().astype(np.float64) + 1.0
+    b = ex.feed(b, {"x": other})  # copied in: the kernels read the binding's buffer again
+    x[50:100] *= 3.0
+    ex.execute(b)
+    assert rel_err(ex.outputs(b)[0], ref(other)) <= 1e-4
+
+
+def test_training_reads_the_features_in_place_with_the_same_steps():
+    """A training step whose products read the caller's features (forward and weight
+    gradient) gives the losses of one that reads a copy (a Fortran-ordered array)."""
+    from conftest import awkward_graph
+    from gcomp.runtime.trainer import Trainer
+    from test_training import labelled
+    g = labelled(awkward_graph(num_nodes=200, num_edges=1000, num_features=64, seed=4), 3)
+    art = compile_model(models.build("sage", 64, hidden=16, out_channels=3, layers=2),
+                        train=True)
+
+    def reads_own_buffer(tr) -> list[bool]:
+        b = tr._binding
+        return [getattr(b, seq)[k][-1][i] is own for seq, k, i, _, own in b.in_place["x"]["uses"]]
+
+    a = Trainer(art, g, variants={k: False for k in art.train_plan.variants}, reorder="none")
+    assert len(reads_own_buffer(a)) >= 2 and not any(reads_own_buffer(a))
+    g.x = np.asfortranarray(g.x)  # not C-ordered: copied in
+    b = Trainer(art, g, variants={k: False for k in art.train_plan.variants}, reorder="none")
+    assert all(reads_own_buffer(b))
+    la, lb = [a.step() for _ in range(3)], [b.step() for _ in range(3)]
+    assert np.allclose(la, lb, rtol=1e-5), (la, lb)

@@ -599,29 +599,41 @@ def colsum(F: int, chunks: int = CHUNKS, gpu: bool = False, expr: tuple | None =
 @definer("feed_rows", target="llvm")
 def feed_rows(F: int):
     """out = x, for node features handed over as the caller's array (read in place: any
-    4-byte alignment, which the other kernels do not accept), and in ``bad[p]`` the
+    4-byte alignment, which the generic kernels do not accept), and in ``bad[p]`` the
     largest exponent field over row range p: NONFINITE (all its bits) exactly when
     the range holds a NaN or an infinity (integer bits, so no floating-point rewrite
     can fold the test away).  The features' check and copy in one parallel pass."""
+    return _scan_rows("feed_rows", F, copy=True)
+
+
+@definer("check_rows", target="llvm")
+def check_rows(F: int):
+    """``feed_rows`` without the copy: the check of features the kernels then read in the
+    caller's array itself (one read of them instead of a read, a write and a read)."""
+    return _scan_rows("check_rows", F, copy=False)
+
+
+def _scan_rows(name: str, F: int, copy: bool):
     f32, i32, i64 = "float32", "int32", "int64"
     with IRBuilder() as ib:
         with T.prim_func():
-            T.func_name("feed_rows")
+            T.func_name(name)
             T.func_attr({"tirx.noalias": True})
             n = tirx.Var("n", i64)
-            x, out, bad = _args([("x", (n, F), f32), ("out", (n, F), f32),
-                                 ("bad", (FEED_PARTS,), i32)])
+            out_arg = [("out", (n, F), f32)] if copy else []
+            x, *out, bad = _args([("x", (n, F), f32), *out_arg, ("bad", (FEED_PARTS,), i32)])
             exponent = tirx.const(NONFINITE, i32)
             with T.parallel(0, FEED_PARTS) as p:
                 acc = T.alloc_buffer((F,), i32, scope="local")
                 _features(F, lambda f: T.buffer_store(acc, tirx.const(0, i32), [f]))
                 lo, hi = _row_range(n, p, FEED_PARTS)
                 with T.serial(0, hi - lo) as r:
-                    def copy(f, i=lo + r):
-                        T.buffer_store(out, x[i, f], [i, f])
+                    def scan(f, i=lo + r):
+                        if copy:
+                            T.buffer_store(out[0], x[i, f], [i, f])
                         bits = tirx.reinterpret(i32, x[i, f]) & exponent
                         T.buffer_store(acc, tirx.max(acc[f], bits), [f])
-                    _features(F, copy)
+                    _features(F, scan)
                 T.buffer_store(bad, tirx.const(0, i32), [p])
                 with T.serial(0, F) as f:
                     T.buffer_store(bad, tirx.max(bad[p], acc[f]), [p])

@@ -267,6 +267,8 @@ def fused_epilogues(ir_texts) -> dict[str, list[str]]:
 class DistExecutor(Executor):
     """Runs a plan on one shard, with halo exchanges, reduces and all-reduces between kernels."""
 
+    feeds_in_place = False  # _schedule rewrites the bound steps: inputs are copied in
+
     def __init__(self, plan, lib, params, store, device, shard: Shard, comm: Comm,
                  global_graph: GraphData):
         super().__init__(plan, lib, params, store, device)

@@ -9,9 +9,11 @@ executor share one store, so both see the same parameters with no copies.
 arrays, buffers sized for its node and edge counts (intermediates share storage
 by liveness: ``gcomp/runtime/memory.py``), views, edge inputs, and the
 bind-phase kernels (degrees, normalizations); the last binding is cached.
-``feed(binding, values)`` copies node inputs in and runs the feed-phase kernels
-(values computed from node inputs alone, e.g. a training step's aggregated
-features).  ``execute(binding)`` calls the run-phase kernels in order; no
+``feed(binding, values)`` checks node inputs and copies them in, or, on the CPU,
+points the kernels at the caller's float32 array itself where they can read it
+there (no reordering; C order; an alignment every reader accepts): the binding then
+reads that array until the next feed.  It runs the feed-phase kernels (values
+computed from node inputs alone, e.g. a training step's aggregated features).  ``execute(binding)`` calls the run-phase kernels in order; no
 allocation and no numpy arithmetic happens there.
 """
 
@@ -52,6 +54,9 @@ class Binding:
     plan_steps: list = field(default_factory=list)  # the plan step of each entry of steps
     reads: set = field(default_factory=set)  # buffers the bound steps use (feed skips others)
     choices: tuple = ()  # the executor's reorder, formats and forced variants when bound
+    # node input -> {"need": alignment, "uses": [(list, index, arg, shape, own tensor)]}:
+    # where the kernels may read it in the caller's array (Executor._in_place_uses)
+    in_place: dict = field(default_factory=dict)
 
 
 def _aligned_bytes(nbytes: int, align: int = 4096) -> np.ndarray:
@@ -59,6 +64,12 @@ def _aligned_bytes(nbytes: int, align: int = 4096) -> np.ndarray:
     raw = np.empty(nbytes + align, np.uint8)
     start = -raw.ctypes.data % align
     return raw[start:start + nbytes]
+
+
+def _alignment(a: np.ndarray) -> int:
+    """The largest power of two dividing the address of ``a``'s first element."""
+    addr = a.ctypes.data
+    return addr & -addr if addr else 1 << 62
 
 
 def _rows(a, order):
@@ -150,6 +161,8 @@ def decide_layout(plan: Plan, graph: GraphData, features: dict | None = None,
 
 
 class Executor:
+    feeds_in_place = True  # runtimes that rewrite the bound steps (distributed) turn it off
+
     def __init__(self, plan: Plan, lib, params: dict[str, np.ndarray], store: dict | None = None,
                  device=None):
         self.plan = plan
@@ -254,6 +267,12 @@ class Executor:
             if "alias" in b:
                 buffers[name] = buffers[b["alias"]]._create_view(_resolve(b["dims"], sizes))
         arrays: dict[tuple, object] = {}
+        # tensors that are node inputs, or views of them: id -> (input, tensor)
+        roots = {i["name"] for i in self.node_inputs() if "check_kernel" in i
+                 and self.feeds_in_place}
+        root_of = {n: b.get("alias", n) for n, b in self.plan.buffers.items()
+                   if b.get("alias", n) in roots}
+        derived = {id(buffers[n]): (r, buffers[n]) for n, r in root_of.items()}
 
         def graph_array(gname: str, array: str):
             key = (gname, array)
@@ -284,6 +303,8 @@ class Executor:
                     out.append(arrays[key])
                 elif "view" in a:
                     out.append(buffers[a["buf"]]._create_view(_resolve(a["view"], sizes)))
+                    if a["buf"] in root_of:
+                        derived[id(out[-1])] = (root_of[a["buf"]], out[-1])
                 else:
                     out.append(buffers[a["buf"]])
             return tuple(out)
@@ -321,9 +342,43 @@ class Executor:
         used |= {o["buffer"] for o in self.plan.outputs}
         b.reads = used | {self.plan.buffers[u].get("alias", u) for u in used
                           if u in self.plan.buffers}
+        b.in_place = self._in_place_uses(b, derived, root_of)
         b.bind_time_s = time.perf_counter() - t0
         self._binding = b  # one binding at a time: buffers are sized per graph
         return b
+
+    def _in_place_uses(self, b: Binding, derived: dict, root_of: dict) -> dict:
+        """Where each node input in ``derived`` is a kernel argument, and the alignment
+        those kernels need (``plan.alignment``; 64, the largest, when not recorded).
+        Not for an input that is also an output (outputs() reads the buffers)."""
+        out_roots = {root_of[o["buffer"]] for o in self.plan.outputs if o["buffer"] in root_of}
+        found: dict[str, dict] = {}
+        for seq, kernels in (("steps", [s["kernel"] for s in b.plan_steps]),
+                             ("feed_steps", [s["kernel"] for s, _, _ in b.feed_steps])):
+            for k, entry in enumerate(getattr(b, seq)):
+                need = self.plan.alignment.get(kernels[k], [])
+                for i, a in enumerate(entry[-1]):
+                    root, t = derived.get(id(a), (None, None))
+                    if t is a and root not in out_roots:
+                        use = found.setdefault(root, {"need": 4, "uses": []})
+                        use["need"] = max(use["need"], need[i] if i < len(need) else 64)
+                        use["uses"].append((seq, k, i, tuple(a.shape), a))
+        return found
+
+    def _read_from(self, b: Binding, name: str, value: np.ndarray | None) -> None:
+        """Point the kernels reading node input ``name`` at the caller's ``value``, or
+        back at the binding's own buffer (None)."""
+        flat = value.reshape(-1) if value is not None else None
+        for seq, k, i, shape, own in b.in_place.get(name, {}).get("uses", ()):
+            steps = getattr(b, seq)
+            if value is None:
+                t = own
+            else:
+                view = flat[:int(np.prod(shape))].reshape(shape)
+                t = tvm_ffi.from_dlpack(view, require_alignment=0)
+            args = list(steps[k][-1])
+            args[i] = t
+            steps[k] = (*steps[k][:-1], tuple(args))
 
     def _computed_variants(self, b: Binding, features: dict | None, active: set,
                            sparse: dict) -> None:
@@ -493,13 +548,20 @@ class Executor:
         if ("feed_kernel" in inp and binding.order is None and isinstance(value, np.ndarray)
                 and value.dtype == np.float32 and value.shape == want and want[0] > 0
                 and value.flags.c_contiguous):
-            # read in place by one kernel that checks and copies (alignment: any)
-            fn = self.functions[inp["feed_kernel"]]
-            fn(tvm_ffi.from_dlpack(value, require_alignment=0), binding.buffers[name],
-               self._feed_flags)
+            # one kernel reads the caller's array (alignment: any) and checks it, and
+            # copies it in unless every kernel reading it can read it where it is
+            src = tvm_ffi.from_dlpack(value, require_alignment=0)
+            place = binding.in_place.get(name)
+            in_place = place is not None and _alignment(value) >= place["need"]
+            if in_place:
+                self.functions[inp["check_kernel"]](src, self._feed_flags)
+            else:
+                self.functions[inp["feed_kernel"]](src, binding.buffers[name], self._feed_flags)
             if self._feed_flags.numpy().max() == NONFINITE:
                 check_features(value, binding.graph.num_nodes, name)  # names the entry
+            self._read_from(binding, name, value if in_place else None)
             return
+        self._read_from(binding, name, None)
         x = self._checked(binding, inp, value)
         if binding.order is not None:
             x = np.ascontiguousarray(x[binding.order])

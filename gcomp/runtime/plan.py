@@ -6,7 +6,8 @@ a graph value) or ints.
 
 * ``inputs``: name, role (``node``, ``graph``, ``edge``), dims, and for edge
   inputs the graph they belong to; ``feed_kernel`` (CPU, float features): the kernel
-  that checks and copies them in one pass (``feed_rows``).
+  that checks and copies them in one pass (``feed_rows``); ``check_kernel``: the one that
+  only checks them, when the kernels read the caller's array in place (``check_rows``).
 * ``graphs``: graph values in definition order; a derived graph names its
   parent and the self-loop mode that makes it.
 * ``buffers``: every tensor the plan touches: dims and, for views, the buffer
@@ -39,6 +40,8 @@ a graph value) or ints.
   the weights argument (or None), the feature ``width``, ``transpose`` (aggregation over
   out-edges) and ``tail`` (index of the first argument, x, the replacement keeps);
   ``gcomp/runtime/formats.py`` chooses (the banded block size comes from the bound graph).
+* ``alignment`` (CPU): kernel -> the byte alignment it assumes of each argument; the
+  runtime passes the caller's own feature array only to kernels it suffices for.
 * ``specialized``: for a plan compiled for one graph (``gcomp/codegen/specialize.py``),
   the graph's name and sizes and the decisions made for it; empty otherwise.
 * training plans: ``loss`` (buffer of the scalar loss) and ``grads``
@@ -71,6 +74,7 @@ class Plan:
     variants: dict[str, dict] = field(default_factory=dict)
     formats: dict = field(default_factory=dict)
     specialized: dict = field(default_factory=dict)
+    alignment: dict[str, list[int]] = field(default_factory=dict)
     bind_steps: list[dict] = field(default_factory=list)
     feed_steps: list[dict] = field(default_factory=list)
     steps: list[dict] = field(default_factory=list)
@@ -91,6 +95,7 @@ class Plan:
                 for k in s.get("formats", {}).get(alt, {}).values():
                     seen.setdefault(k, None)
         for i in self.inputs:
-            if "feed_kernel" in i:
-                seen.setdefault(i["feed_kernel"], None)
+            for key in ("feed_kernel", "check_kernel"):
+                if key in i:
+                    seen.setdefault(i[key], None)
         return list(seen)
