@@ -50,9 +50,7 @@ def make(workload, mode: str, artifact=None) -> Runner:
         return ex.outputs(fed)[0]
 
     fed = ex.feed(b, {"x": x})
-    how = ("read in place" if any(fed.steps[k][-1][i] is not own for seq, k, i, _, own
-                                  in fed.in_place.get("x", {}).get("uses", ()) if seq == "steps")
-           else "copied in")
+    how = "read in place" if fed.reads_callers("x") else "copied in"
     return Runner("gcomp", step, output, setup, parts=parts, artifact=artifact,
                   notes=[f"{len(b.steps)} kernel calls per forward; feed (validation of x, "
                          f"{how}) is inside the timed step"])

@@ -58,6 +58,12 @@ class Binding:
     # where the kernels may read it in the caller's array (Executor._in_place_uses)
     in_place: dict = field(default_factory=dict)
 
+    def reads_callers(self, name: str) -> bool:
+        """Whether the kernels read node input ``name`` in the caller's array (last feed)."""
+        uses = self.in_place.get(name, {}).get("uses", ())
+        return bool(uses) and all(getattr(self, seq)[k][-1][i] is not own
+                                  for seq, k, i, _, own in uses)
+
 
 def _aligned_bytes(nbytes: int, align: int = 4096) -> np.ndarray:
     """A uint8 array of ``nbytes`` starting on an ``align``-byte boundary."""
