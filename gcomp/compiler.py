@@ -57,16 +57,23 @@ def _set_format_costs(plans, tgt: dict) -> None:
 def _add_feed_kernels(plans, specs: dict, tgt: dict) -> None:
     """On the CPU, node features are checked by one parallel kernel that reads the
     caller's array in place, and copied in by the same pass (``feed_rows``) unless the
-    kernels can read them there (``check_rows``); the plan input names both."""
+    kernels can read them there (``check_rows``); the plan input names both.  A sparse
+    variant names the kernel that tells whether its values still hold the nonzeros
+    its kernels were bound with (``match_rows``)."""
     if tgt["kind"] != "llvm":
         return
+
+    def kernel(kind: str, width) -> str:
+        spec = KernelSpec.make(kind, F=int(width))
+        specs[spec.name] = spec
+        return spec.name
     for p in plans:
         for inp in (p.inputs if p is not None else ()):
             if inp["role"] == "node" and inp.get("dtype") == "float32" and len(inp["dims"]) == 2:
-                for kind, key in (("feed_rows", "feed_kernel"), ("check_rows", "check_kernel")):
-                    spec = KernelSpec.make(kind, F=int(inp["dims"][1]))
-                    specs[spec.name] = spec
-                    inp[key] = spec.name
+                inp["feed_kernel"] = kernel("feed_rows", inp["dims"][1])
+                inp["check_kernel"] = kernel("check_rows", inp["dims"][1])
+        for v in (p.variants.values() if p is not None else ()):
+            v["match_kernel"] = kernel("match_rows", p.buffers[v["input"]]["dims"][1])
 
 
 def _add_alignments(plans, specs: dict, tgt: dict) -> None:

@@ -341,3 +341,25 @@ def test_training_reads_the_features_in_place_with_the_same_steps():
     assert not b._binding.reads_callers("x")
     la, lb = [a.step() for _ in range(3)], [b.step() for _ in range(3)]
     assert np.allclose(la, lb, rtol=1e-5), (la, lb)
+
+
+def test_features_no_kernel_reads_are_still_checked():
+    """With the sparse-feature kernels bound, no kernel reads the dense features (they read
+    the nonzeros): the feed only checks them, and names a non-finite entry."""
+    from conftest import awkward_graph, ref_inputs, rel_err
+    from gcomp.errors import InputError
+    from gcomp.ir import interpret
+    m = models.build("gcn", 64, hidden=8, out_channels=3, layers=2)
+    ex = compile_model(m, sparse_threshold=0.5).executor()
+    ex.force_variants = {"sparse:x": True}
+    g = awkward_graph(num_nodes=200, num_edges=1000, num_features=64, seed=5)
+    x = g.dense_x()
+    x[np.random.default_rng(2).random(x.shape) < 0.9] = 0.0
+    b = ex.feed(ex.bind(g, {"x": x}), {"x": x})
+    assert "x" not in b.reads and not b.reads_callers("x")
+    ex.execute(b)
+    assert rel_err(ex.outputs(b)[0], interpret(m.graph, ref_inputs(m.graph, g, x),
+                                               m.params)[0]) <= 1e-4
+    x[123, 45] = np.inf
+    with pytest.raises(InputError, match="first at node 123, feature 45"):
+        ex.feed(b, {"x": x})

@@ -640,6 +640,52 @@ def _scan_rows(name: str, F: int, copy: bool):
     return ib.get()
 
 
+@definer("match_rows", target="llvm")
+def match_rows(F: int):
+    """Whether x still holds the nonzeros the sparse-feature kernels were bound with
+    (``indptr``, ``indices``, ``values``: CSR of x at bind time): ``flags[P + p]`` is 1
+    where a row of range p differs (each row rebuilt densely in a local buffer, then
+    compared lane by lane), and ``flags[p]`` the largest exponent field as in
+    ``feed_rows`` (NONFINITE: a NaN or an infinity).  One read of x."""
+    f32, i32, i64 = "float32", "int32", "int64"
+    P = FEED_PARTS
+    with IRBuilder() as ib:
+        with T.prim_func():
+            T.func_name("match_rows")
+            T.func_attr({"tirx.noalias": True})
+            n, nnz = tirx.Var("n", i64), tirx.Var("nnz", i64)
+            x, indptr, indices, values, flags = _args([
+                ("x", (n, F), f32), ("indptr", (n + 1,), i64), ("indices", (nnz,), i32),
+                ("values", (nnz, 1), f32), ("flags", (2 * P,), i32)])
+            exponent = tirx.const(NONFINITE, i32)
+            zero, one = tirx.const(0, i32), tirx.const(1, i32)
+            with T.parallel(0, P) as p:
+                acc = T.alloc_buffer((F,), i32, scope="local")
+                diff = T.alloc_buffer((F,), i32, scope="local")
+                row = T.alloc_buffer((F,), f32, scope="local")
+                _features(F, lambda f: T.buffer_store(acc, zero, [f]))
+                _features(F, lambda f: T.buffer_store(diff, zero, [f]))
+                lo, hi = _row_range(n, p, P)
+                with T.serial(0, hi - lo) as r:
+                    i = lo + r
+                    _features(F, lambda f: T.buffer_store(row, tirx.const(0.0, f32), [f]))
+                    with T.serial(indptr[i], indptr[i + 1]) as k:
+                        T.buffer_store(row, values[k, 0], [indices[k]])
+
+                    def compare(f):
+                        bits = tirx.reinterpret(i32, x[i, f]) & exponent
+                        T.buffer_store(acc, tirx.max(acc[f], bits), [f])
+                        T.buffer_store(diff, tirx.max(diff[f], tirx.Select(
+                            x[i, f] != row[f], one, zero)), [f])
+                    _features(F, compare)
+                T.buffer_store(flags, zero, [p])
+                T.buffer_store(flags, zero, [P + p])
+                with T.serial(0, F) as f:
+                    T.buffer_store(flags, tirx.max(flags[p], acc[f]), [p])
+                    T.buffer_store(flags, tirx.max(flags[P + p], diff[f]), [P + p])
+    return ib.get()
+
+
 CE_PARTS = 64      # row ranges of the loss kernels, each with its own partial sums
 CE_PARALLEL = 1 << 16  # logits from which the ranges run in parallel: below, waking the
                        # thread pool cost more than the rows (Cora: 0.03 -> 0.10 ms)

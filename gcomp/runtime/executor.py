@@ -13,7 +13,9 @@ bind-phase kernels (degrees, normalizations); the last binding is cached.
 points the kernels at the caller's float32 array itself where they can read it
 there (no reordering; C order; an alignment every reader accepts): the binding then
 reads that array until the next feed.  It runs the feed-phase kernels (values
-computed from node inputs alone, e.g. a training step's aggregated features).  ``execute(binding)`` calls the run-phase kernels in order; no
+computed from node inputs alone, e.g. a training step's aggregated features), and
+binds again where features (or values computed from them) no longer hold the
+nonzeros the sparse-feature kernels were bound with (changed in place).  ``execute(binding)`` calls the run-phase kernels in order; no
 allocation and no numpy arithmetic happens there.
 """
 
@@ -23,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import scipy.sparse as sp
 import tvm
 import tvm_ffi
 
@@ -57,6 +60,10 @@ class Binding:
     # node input -> {"need": alignment, "uses": [(list, index, arg, shape, own tensor)]}:
     # where the kernels may read it in the caller's array (Executor._in_place_uses)
     in_place: dict = field(default_factory=dict)
+    # values (an input or a feed step's result) -> the SparseFeatures their sparse-feature
+    # kernels read, and those arrays as kernel arguments (Executor._moved)
+    sparse: dict = field(default_factory=dict)
+    sparse_args: dict = field(default_factory=dict)
 
     def reads_callers(self, name: str) -> bool:
         """Whether the kernels read node input ``name`` in the caller's array (last feed)."""
@@ -194,6 +201,7 @@ class Executor:
                 self.store[name] = self.tensor(np.zeros(_resolve(b["dims"], {}), b["dtype"]))
         self._binding: Binding | None = None
         self._feed_flags = tvm.runtime.empty((FEED_PARTS,), "int32", self.device)
+        self._match_flags = tvm.runtime.empty((2 * FEED_PARTS,), "int32", self.device)
         self.force_variants: dict[str, bool] = {}  # variant key -> on/off, overriding the choice
         self.reorder = "auto"  # node order when binding: auto (cost model), none, rcm, degree
         self.formats = "auto"  # adjacency format: auto (cost model) or one of formats.FORMATS
@@ -227,13 +235,14 @@ class Executor:
                 sparse[v["input"]] = SparseFeatures(x)
         return active, sparse
 
-    def bind(self, graph: GraphData, features: dict | None = None) -> Binding:
+    def bind(self, graph: GraphData, features: dict | None = None,
+             again: bool = False) -> Binding:
         """Prepare ``graph`` (and, for sparse-feature variants, ``features``; default the
         graph's own ``x``); the last binding is reused for the same objects and the same
-        choices (``reorder``, ``formats``, ``force_variants``)."""
+        choices (``reorder``, ``formats``, ``force_variants``) unless ``again``."""
         b = self._binding
         choices = (self.reorder, self.formats, tuple(sorted(self.force_variants.items())))
-        if b is not None and b.graph is graph and b.choices == choices and all(
+        if not again and b is not None and b.graph is graph and b.choices == choices and all(
                 b.features_src.get(k) == id(v) for k, v in (features or {}).items()
                 if k in b.features_src):
             return b
@@ -335,6 +344,7 @@ class Executor:
                     for args in [args_of(s)] if self._launchable(args)]
         b.feed_steps = [(s, self.functions[s["kernel"]], args)
                         for s, args in selected(self.plan.feed_steps)]
+        b.sparse = sparse  # _computed_variants adds the values it measures
         self._computed_variants(b, user_features, active, sparse)
         run = selected(self.plan.steps)
         run, layouts = self._in_formats(run, lay, graph_array, args_of)
@@ -402,7 +412,8 @@ class Executor:
             return
         for src in {s for v in todo.values() for s in v["sources"]}:
             x = (features or {}).get(src, b.graph.x)
-            self._put(b, inputs[src], x if x is not None else b.graph.dense_x())
+            # copied in: the feed steps read them before the bound steps are known
+            self._put(b, inputs[src], x if x is not None else b.graph.dense_x(), read=True)
         self._run_feed_steps(b)
         for key, v in todo.items():
             z = b.buffers[v["input"]].numpy()
@@ -510,24 +521,77 @@ class Executor:
         return [i for i in self.plan.inputs if i["role"] == "node"]
 
     def feed(self, binding: Binding, values: dict[str, np.ndarray]) -> Binding:
-        """Copy node inputs (features; labels and masks for training) into their buffers.
+        """Check node inputs (features; labels and masks for training) and copy them into
+        their buffers, or have the kernels read them in place (``_put``).
 
         Returns the binding to execute: a new one when sparse-feature kernels were bound
         to other feature values (their nonzero arrays belong to the binding).
         """
-        if any(binding.features_src.get(k) != id(v) for k, v in values.items()
-               if k in binding.features_src):
-            binding = self.bind(binding.graph, {k: v for k, v in values.items()
-                                                if k in binding.features_src})
-        for inp in self.node_inputs():
-            if inp["name"] not in values:
-                raise InputError(f"missing node input {inp['name']!r}")
-            if inp["name"] in binding.reads:
-                self._put(binding, inp, values[inp["name"]])
-            else:  # e.g. dense features when sparse kernels run: checked, not copied
-                self._checked(binding, inp, values[inp["name"]])
-        self._run_feed_steps(binding)
+        bound = {k: v for k, v in values.items() if k in binding.features_src}
+        if any(binding.features_src[k] != id(v) for k, v in bound.items()):
+            binding = self.bind(binding.graph, bound)  # the last one, if bound with these
+        checked: set = set()  # inputs _moved checked for NaN and Inf
+        if any(k in binding.sparse and self._moved(binding, k, v, checked)
+               for k, v in bound.items()):
+            binding = self.bind(binding.graph, bound, again=True)  # changed in place
+            checked.clear()
+        for again in (False, True):
+            for inp in self.node_inputs():
+                if inp["name"] not in values:
+                    raise InputError(f"missing node input {inp['name']!r}")
+                if inp["name"] not in checked or inp["name"] in binding.reads:
+                    self._put(binding, inp, values[inp["name"]])
+            self._run_feed_steps(binding)
+            computed = [v["input"] for k, v in self.plan.variants.items()
+                        if "sources" in v and k in binding.variants]
+            if again or not any(self._moved(binding, c, binding.buffers[c], set())
+                                for c in computed):
+                return binding
+            # values computed from features changed in place: measure and bind them again
+            binding = self.bind(binding.graph, bound, again=True)
         return binding
+
+    def _moved(self, b: Binding, name: str, value, checked: set) -> bool:
+        """Whether ``value`` (node input or feed-step result ``name``) no longer holds the
+        nonzeros its sparse-feature kernels were bound with, compared exactly by the
+        variant's ``match_kernel`` in one read, which also checks features for NaN and
+        Inf (a non-finite entry is named here; ``checked`` gets ``name``).
+        Without that kernel, or for another layout of the features, it answers True:
+        binding again extracts them anew."""
+        kernel = next((v.get("match_kernel") for v in self.plan.variants.values()
+                       if v["input"] == name), None)
+        sf = b.sparse[name]
+        if isinstance(value, np.ndarray):
+            if (kernel is None or value.dtype != np.float32 or value.ndim != 2
+                    or value.shape[1] != sf.num_features or len(value) != len(sf.indptr) - 1
+                    or not value.flags.c_contiguous):
+                return True
+            array = value if b.order is None else np.ascontiguousarray(value[b.order])
+            t = tvm_ffi.from_dlpack(array, require_alignment=0)
+        elif sp.issparse(value):  # compared as the CSR arrays they were bound as
+            csr = sp.csr_matrix(value if b.order is None else value[b.order], dtype=np.float32)
+            csr.sort_indices()
+            return not (csr.shape == (len(sf.indptr) - 1, sf.num_features)
+                        and np.array_equal(csr.indptr, sf.indptr)
+                        and np.array_equal(csr.indices, sf.indices)
+                        and np.array_equal(csr.data, sf.values.reshape(-1)))
+        elif kernel is None or not isinstance(value, tvm_ffi.Tensor):
+            return True
+        else:
+            t = value
+        if name not in b.sparse_args:
+            b.sparse_args[name] = tuple(
+                tvm_ffi.from_dlpack(a, require_alignment=0) if a.size
+                else tvm.runtime.tensor(a, self.device)
+                for a in (sf.indptr, sf.indices, sf.values))
+        flags = self._match_flags
+        self.functions[kernel](t, *b.sparse_args[name], flags)
+        f = flags.numpy()
+        if isinstance(value, np.ndarray):
+            if f[:FEED_PARTS].max() == NONFINITE:
+                check_features(value, b.graph.num_nodes, name)  # names the entry
+            checked.add(name)
+        return bool(f[FEED_PARTS:].max())
 
     def _checked(self, binding: Binding, inp: dict, value) -> np.ndarray:
         """Node input ``inp`` as a checked, C-ordered array of its dtype."""
@@ -547,31 +611,39 @@ class Executor:
             raise InputError(f"input {name!r} must have shape {want}, got {x.shape}")
         return np.ascontiguousarray(x, dtype=dtype)
 
-    def _put(self, binding: Binding, inp: dict, value) -> None:
-        """Check node input ``inp`` and copy it in (in the binding's node order)."""
+    def _put(self, binding: Binding, inp: dict, value, read: bool | None = None) -> None:
+        """Check node input ``inp`` and copy it in (in the binding's node order), or point
+        the kernels at the caller's array where they can read it there; an input that no
+        bound kernel reads (``read``, default: by ``binding.reads``; dense features when
+        sparse-feature kernels run) is only checked."""
         name = inp["name"]
         want = _resolve(inp["dims"], binding.dims)
-        if ("feed_kernel" in inp and binding.order is None and isinstance(value, np.ndarray)
-                and value.dtype == np.float32 and value.shape == want and want[0] > 0
-                and value.flags.c_contiguous):
+        read = name in binding.reads if read is None else read
+        place = binding.in_place.get(name)
+        kernel = None
+        if (isinstance(value, np.ndarray) and value.dtype == np.float32 and value.shape == want
+                and want[0] > 0 and value.flags.c_contiguous):
             # one kernel reads the caller's array (alignment: any) and checks it, and
             # copies it in unless every kernel reading it can read it where it is
-            src = tvm_ffi.from_dlpack(value, require_alignment=0)
-            place = binding.in_place.get(name)
-            in_place = place is not None and _alignment(value) >= place["need"]
-            if in_place:
-                self.functions[inp["check_kernel"]](src, self._feed_flags)
-            else:
-                self.functions[inp["feed_kernel"]](src, binding.buffers[name], self._feed_flags)
+            in_place = (read and binding.order is None and place is not None
+                        and _alignment(value) >= place["need"])
+            if "check_kernel" in inp and (in_place or not read):
+                kernel, out = inp["check_kernel"], ()
+            elif "feed_kernel" in inp and read and binding.order is None:
+                kernel, out = inp["feed_kernel"], (binding.buffers[name],)
+        if kernel is not None:
+            self.functions[kernel](tvm_ffi.from_dlpack(value, require_alignment=0), *out,
+                                   self._feed_flags)
             if self._feed_flags.numpy().max() == NONFINITE:
                 check_features(value, binding.graph.num_nodes, name)  # names the entry
             self._read_from(binding, name, value if in_place else None)
             return
         self._read_from(binding, name, None)
         x = self._checked(binding, inp, value)
-        if binding.order is not None:
-            x = np.ascontiguousarray(x[binding.order])
-        binding.buffers[name].copyfrom(x)
+        if read:
+            if binding.order is not None:
+                x = np.ascontiguousarray(x[binding.order])
+            binding.buffers[name].copyfrom(x)
 
     def execute(self, binding: Binding) -> None:
         if binding is not self._binding:

@@ -28,7 +28,8 @@ a graph value) or ints.
 * ``variants``: kernel variants the runtime chooses between for each bound graph.
   ``sparse:<input>`` (``{"input", "threshold"}``): when the fraction of zeros in
   those node features reaches the threshold (calibrated on the target at compile
-  time), steps marked ``"when": key`` run and steps marked ``"unless": key`` do not.
+  time), steps marked ``"when": key`` run and steps marked ``"unless": key`` do not;
+  ``match_kernel`` (CPU) tells whether the values still hold the nonzeros bound.
   Their arguments may name ``{"features": input, "array": ...}``: the features'
   nonzeros (``indptr``, ``indices``, ``rows``, ``values``, ``csc_indptr``,
   ``csc_indices``, ``csc_eid``), sized by the dimension ``NNZ:<input>``.  A variant
@@ -94,8 +95,8 @@ class Plan:
             for alt in ("kernels", "pack"):
                 for k in s.get("formats", {}).get(alt, {}).values():
                     seen.setdefault(k, None)
-        for i in self.inputs:
-            for key in ("feed_kernel", "check_kernel"):
-                if key in i:
-                    seen.setdefault(i[key], None)
+        for d in self.inputs + list(self.variants.values()):
+            for key in ("feed_kernel", "check_kernel", "match_kernel"):
+                if key in d:
+                    seen.setdefault(d[key], None)
         return list(seen)
