@@ -525,7 +525,8 @@ class Executor:
         their buffers, or have the kernels read them in place (``_put``).
 
         Returns the binding to execute: a new one when sparse-feature kernels were bound
-        to other feature values (their nonzero arrays belong to the binding).
+        to other feature values, or to values since changed in place (their nonzero
+        arrays belong to the binding).
         """
         bound = {k: v for k, v in values.items() if k in binding.features_src}
         if any(binding.features_src[k] != id(v) for k, v in bound.items()):
@@ -535,21 +536,24 @@ class Executor:
                for k, v in bound.items()):
             binding = self.bind(binding.graph, bound, again=True)  # changed in place
             checked.clear()
-        for again in (False, True):
-            for inp in self.node_inputs():
-                if inp["name"] not in values:
-                    raise InputError(f"missing node input {inp['name']!r}")
-                if inp["name"] not in checked or inp["name"] in binding.reads:
-                    self._put(binding, inp, values[inp["name"]])
-            self._run_feed_steps(binding)
-            computed = [v["input"] for k, v in self.plan.variants.items()
-                        if "sources" in v and k in binding.variants]
-            if again or not any(self._moved(binding, c, binding.buffers[c], set())
-                                for c in computed):
-                return binding
+        self._feed_into(binding, values, checked)
+        computed = [v["input"] for k, v in self.plan.variants.items()
+                    if "sources" in v and k in binding.variants]
+        if any(self._moved(binding, c, binding.buffers[c], set()) for c in computed):
             # values computed from features changed in place: measure and bind them again
             binding = self.bind(binding.graph, bound, again=True)
+            self._feed_into(binding, values, set())
         return binding
+
+    def _feed_into(self, binding: Binding, values: dict, checked: set) -> None:
+        """Put every node input (those in ``checked`` only where a kernel reads them) and
+        run the feed steps."""
+        for inp in self.node_inputs():
+            if inp["name"] not in values:
+                raise InputError(f"missing node input {inp['name']!r}")
+            if inp["name"] not in checked or inp["name"] in binding.reads:
+                self._put(binding, inp, values[inp["name"]])
+        self._run_feed_steps(binding)
 
     def _moved(self, b: Binding, name: str, value, checked: set) -> bool:
         """Whether ``value`` (node input or feed-step result ``name``) no longer holds the
