@@ -643,10 +643,12 @@ def _scan_rows(name: str, F: int, copy: bool):
 @definer("match_rows", target="llvm")
 def match_rows(F: int):
     """Whether x still holds the nonzeros the sparse-feature kernels were bound with
-    (``indptr``, ``indices``, ``values``: CSR of x at bind time): ``flags[P + p]`` is 1
-    where a row of range p differs (each row rebuilt densely in a local buffer, then
-    compared lane by lane), and ``flags[p]`` the largest exponent field as in
-    ``feed_rows`` (NONFINITE: a NaN or an infinity).  One read of x."""
+    (``indptr``, ``indices``, ``values``: CSR of x at bind time, nonzero values): 1 in
+    ``flags[P + p]`` unless every bound entry of row range p holds its value in x and x
+    has no other nonzero there (its count of nonzeros equals theirs), and in
+    ``flags[p]`` the largest exponent field as in ``feed_rows`` (NONFINITE: a NaN or an
+    infinity).  One read of x, with the work of the check alone plus a gather of the
+    bound positions from the row just read."""
     f32, i32, i64 = "float32", "int32", "int64"
     P = FEED_PARTS
     with IRBuilder() as ib:
@@ -661,28 +663,32 @@ def match_rows(F: int):
             zero, one = tirx.const(0, i32), tirx.const(1, i32)
             with T.parallel(0, P) as p:
                 acc = T.alloc_buffer((F,), i32, scope="local")
-                diff = T.alloc_buffer((F,), i32, scope="local")
-                row = T.alloc_buffer((F,), f32, scope="local")
+                count = T.alloc_buffer((F,), i32, scope="local")
+                diff = T.alloc_buffer((1,), i32, scope="local")
+                total = T.alloc_buffer((1,), i64, scope="local")
                 _features(F, lambda f: T.buffer_store(acc, zero, [f]))
-                _features(F, lambda f: T.buffer_store(diff, zero, [f]))
+                _features(F, lambda f: T.buffer_store(count, zero, [f]))
+                T.buffer_store(diff, zero, [0])
                 lo, hi = _row_range(n, p, P)
                 with T.serial(0, hi - lo) as r:
                     i = lo + r
-                    _features(F, lambda f: T.buffer_store(row, tirx.const(0.0, f32), [f]))
-                    with T.serial(indptr[i], indptr[i + 1]) as k:
-                        T.buffer_store(row, values[k, 0], [indices[k]])
 
-                    def compare(f):
+                    def scan(f):
                         bits = tirx.reinterpret(i32, x[i, f]) & exponent
                         T.buffer_store(acc, tirx.max(acc[f], bits), [f])
-                        T.buffer_store(diff, tirx.max(diff[f], tirx.Select(
-                            x[i, f] != row[f], one, zero)), [f])
-                    _features(F, compare)
+                        T.buffer_store(count, count[f] + tirx.Select(
+                            x[i, f] != tirx.const(0.0, f32), one, zero), [f])
+                    _features(F, scan)
+                    with T.serial(indptr[i], indptr[i + 1]) as k:
+                        T.buffer_store(diff, tirx.max(diff[0], tirx.Select(
+                            x[i, indices[k]] != values[k, 0], one, zero)), [0])
+                T.buffer_store(total, tirx.const(0, i64), [0])
                 T.buffer_store(flags, zero, [p])
-                T.buffer_store(flags, zero, [P + p])
                 with T.serial(0, F) as f:
                     T.buffer_store(flags, tirx.max(flags[p], acc[f]), [p])
-                    T.buffer_store(flags, tirx.max(flags[P + p], diff[f]), [P + p])
+                    T.buffer_store(total, total[0] + tirx.Cast(i64, count[f]), [0])
+                T.buffer_store(flags, tirx.max(diff[0], tirx.Select(
+                    total[0] != indptr[hi] - indptr[lo], one, zero)), [P + p])
     return ib.get()
 
 
