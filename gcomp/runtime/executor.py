@@ -15,8 +15,9 @@ there (no reordering; C order; an alignment every reader accepts): the binding t
 reads that array until the next feed.  It runs the feed-phase kernels (values
 computed from node inputs alone, e.g. a training step's aggregated features), and
 binds again where features (or values computed from them) no longer hold the
-nonzeros the sparse-feature kernels were bound with (changed in place).  ``execute(binding)`` calls the run-phase kernels in order; no
-allocation and no numpy arithmetic happens there.
+nonzeros the sparse-feature kernels were bound with (changed in place).
+``execute(binding)`` calls the run-phase kernels in order; no allocation and no
+numpy arithmetic happens there.
 """
 
 from __future__ import annotations
