@@ -346,6 +346,7 @@ class Executor:
         b.feed_steps = [(s, self.functions[s["kernel"]], args)
                         for s, args in selected(self.plan.feed_steps)]
         b.sparse = sparse  # _computed_variants adds the values it measures
+        b.in_place = self._in_place_uses(b, derived, root_of)  # the feed steps' uses
         self._computed_variants(b, user_features, active, sparse)
         run = selected(self.plan.steps)
         run, layouts = self._in_formats(run, lay, graph_array, args_of)
@@ -411,11 +412,15 @@ class Executor:
                 and all(s in (features or {}) or s == default for s in v["sources"])}
         if not todo:
             return
-        for src in {s for v in todo.values() for s in v["sources"]}:
+        sources = {s for v in todo.values() for s in v["sources"]}
+        for src in sources:
             x = (features or {}).get(src, b.graph.x)
-            # copied in: the feed steps read them before the bound steps are known
+            # the feed steps read them (in place where they can) before the run steps
+            # are known
             self._put(b, inputs[src], x if x is not None else b.graph.dense_x(), read=True)
         self._run_feed_steps(b)
+        for src in sources:  # back to the own buffers: bind() finds the uses again
+            self._read_from(b, src, None)
         for key, v in todo.items():
             z = b.buffers[v["input"]].numpy()
             forced = self.force_variants.get(key)
