@@ -244,6 +244,37 @@ def test_fuse_epilogues_groups_bias_and_activation():
     assert print_graph(g) == print_graph(parse_graph(text))  # values unchanged
 
 
+def test_fuse_epilogues_computes_a_scaled_operand_in_the_epilogue():
+    """GIN's sum_j x_j + (1 + eps) * x: the product is computed per element in the
+    aggregation's epilogue instead of by a kernel of its own; over out-edges (whose
+    extras the distributed runtime zeroes on halo rows) and where another value reads
+    the product, it stays stored."""
+    from gcomp.passes import FuseEpilogues
+    text = """graph t(%x: f32[N,4], %dy: f32[N,4], %g: graph<coo>) {
+  %eps = param[init="zeros"] : f32[]
+  %a = aggregate(%g, %x) : f32[N,4]
+  %m = mul(%eps, %x) : f32[N,4]
+  %s = add(%a, %m) : f32[N,4]
+  %r = relu(%s) : f32[N,4]
+  %b = aggregate[flow="out"](%g, %dy) : f32[N,4]
+  %n = mul(%eps, %dy) : f32[N,4]
+  %t = add(%b, %n) : f32[N,4]
+  %c = aggregate(%g, %dy) : f32[N,4]
+  %k = mul(%eps, %r) : f32[N,4]
+  %u = add(%c, %k) : f32[N,4]
+  return %r, %t, %u, %k
+}"""
+    g = parse_graph(text)
+    PassManager([FuseEpilogues()])(g)
+    meta = {n.name: {k: v for k, v in n.meta.items() if k in ("fused", "fused_into", "operand")}
+            for n in g}
+    assert meta["a"] == {"fused": ["m", "s", "r"]}
+    assert meta["m"] == {"fused_into": "a", "operand": True}
+    assert meta["b"] == {"fused": ["t"]} and "fused_into" not in meta["n"]
+    assert meta["c"] == {"fused": ["u"]} and "fused_into" not in meta["k"]  # %k is an output
+    assert print_graph(g) == print_graph(parse_graph(text))  # values unchanged
+
+
 def test_elide_broadcasts_the_consumer_does_itself():
     """A sum's gradient, broadcast back (autodiff), read by two products: both read the
     small tensor; a broadcast that numpy rules would not reproduce stays (here the other

@@ -2,9 +2,10 @@
 
 An epilogue is a chain of steps applied to a kernel's result before it is stored,
 as written by the ``fuse_epilogues`` pass: each step is ``(op, attrs, extra, swap)``
-with ``extra`` None for unary ops or the index of an extra kernel input for binary
-ones (a bias vector, a scalar, or a tensor shaped like the output); ``swap`` puts
-the extra input first (``sub(b, acc)``).  The step
+with ``extra`` None for unary ops or, for binary ones, the index of an extra kernel
+input (a bias vector, a scalar, or a tensor shaped like the output) or an operand
+computed from extra inputs, ``(op, attrs, (extra, ...))`` (GIN's ``(1 + eps) * x``);
+``swap`` puts the extra operand first (``sub(b, acc)``).  The step
 semantics are the elementwise ops' (``dense_kernels._apply``).
 
 ``extras`` of a kernel spec list the extra inputs' shape kinds:
@@ -22,9 +23,18 @@ def apply(chain: tuple, acc, extra_value):
         if extra is None:
             args = [acc]
         else:
-            args = [extra_value(extra), acc] if swap else [acc, extra_value(extra)]
+            v = _operand(extra, extra_value)
+            args = [v, acc] if swap else [acc, v]
         acc = _apply(op, dict(attrs), args)
     return acc
+
+
+def _operand(extra, extra_value):
+    from gcomp.codegen.dense_kernels import _apply
+    if isinstance(extra, int):
+        return extra_value(extra)
+    op, attrs, operands = extra
+    return _apply(op, dict(attrs), [_operand(e, extra_value) for e in operands])
 
 
 def shape(kind: str, rows, width: int) -> tuple:

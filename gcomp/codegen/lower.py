@@ -272,7 +272,19 @@ class _Lowering:
         self.buffer(tail)
         if anchor.op in (Op.AGGREGATE, Op.ATTENTION_AGGREGATE, Op.MATMUL):
             chain, extras, kinds, prev = [], [], [], anchor
+
+            def operand(v: Node):
+                """Index of extra input ``v``, or (op, attrs, operands) for an operand the
+                epilogue computes (``meta["operand"]``, see passes/fuse_epilogues)."""
+                if v.meta.get("operand"):
+                    return (v.op.value, _scalar_attrs(v), tuple(operand(i) for i in v.inputs))
+                if v not in extras:
+                    extras.append(v)
+                    kinds.append(self._extra_kind(v, tail))
+                return extras.index(v)
             for m in members:
+                if m.meta.get("operand"):
+                    continue
                 if m.op == Op.RESHAPE:
                     prev = m
                     continue
@@ -280,10 +292,7 @@ class _Lowering:
                     chain.append((m.op.value, _scalar_attrs(m), None, False))
                 else:
                     other = m.inputs[1] if m.inputs[0] is prev else m.inputs[0]
-                    if other not in extras:
-                        extras.append(other)
-                        kinds.append(self._extra_kind(other, tail))
-                    chain.append((m.op.value, _scalar_attrs(m), extras.index(other),
+                    chain.append((m.op.value, _scalar_attrs(m), operand(other),
                                   m.inputs[0] is other))
                 prev = m
             ext_args = [self.arg(e, self.flat2(e) if k == "row" else None) for e, k in

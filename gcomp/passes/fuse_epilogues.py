@@ -18,6 +18,10 @@ Anchors and what they absorb:
   relu'(y), the backward of a layer), the activation's output or input read per
   element.  (Not an aggregation over out-edges: the distributed runtime adds their
   partial sums across ranks after the epilogue, so it must be additive.)
+  A binary member's other operand may itself be a binary op of such extra inputs that
+  only this member uses (GIN's ``sum_j x_j + (1 + eps) * x``): it is computed per
+  element in the epilogue (``meta["operand"]``), not stored and read back.  Not for an
+  aggregation over out-edges, whose extras the distributed runtime zeroes on halo rows.
 * any elementwise op (``elementwise_grad`` included): the elementwise ops it reads
   whose value only it uses, of its shape, and theirs in turn: a tree evaluated per
   element in one kernel (autodiff's gradient sums, ``dy + ds_dst * a_dst + ds_src *
@@ -84,9 +88,22 @@ def _absorbable_after_kernel(n, prev, anchor) -> bool:
                 and _extra_ok(n.inputs[1], n.ty) and _materialized(n.inputs[1]))
     if n.op in OpGroup.Binary:
         other = n.inputs[1] if n.inputs[0] is prev else n.inputs[0]
-        return (other is not prev and n.ty.shape == prev.ty.shape and _extra_ok(other, n.ty)
-                and _materialized(other))
+        return (other is not prev and n.ty.shape == prev.ty.shape
+                and (_extra_ok(other, n.ty) and _materialized(other)
+                     or _computed_operand(other, n, anchor)))
     return False
+
+
+def _computed_operand(v, user, anchor) -> bool:
+    """Can operand ``v`` of epilogue member ``user`` be computed in the epilogue: a binary
+    op of extra inputs, shaped like the result, that only ``user`` reads?"""
+    if anchor.op == Op.AGGREGATE and anchor.attrs["flow"] == "out":
+        return False
+    return (v.op in OpGroup.Binary and v.ty == user.ty and len(v.users) == 1
+            and v not in v.graph.outputs and sum(i is v for i in user.inputs) == 1
+            and not {"fused", "fused_into"} & v.meta.keys()
+            and v.meta.get("phase") == user.meta.get("phase")
+            and all(_extra_ok(i, user.ty) and _materialized(i) for i in v.inputs))
 
 
 def _sole_user(v, graph):
@@ -148,7 +165,7 @@ class FuseEpilogues(Pass):
 
     def run(self, graph, ctx) -> bool:
         for n in graph:
-            for key in ("fused", "fused_into", "tail"):
+            for key in ("fused", "fused_into", "tail", "operand"):
                 n.meta.pop(key, None)
         changed = False
         for n in graph:  # kernels, with the elementwise ops after them
@@ -173,6 +190,11 @@ class FuseEpilogues(Pass):
             if (u is None or "fused_into" in u.meta or not _absorbable_after_kernel(u, prev, n)
                     or u.meta.get("phase") != n.meta.get("phase")):
                 break
+            if u.op in OpGroup.Binary:
+                other = u.inputs[1] if u.inputs[0] is prev else u.inputs[0]
+                if _computed_operand(other, u, n):  # evaluated in the epilogue, not stored
+                    other.meta["operand"] = True
+                    members.append(other)
             members.append(u)
             prev = u
         while members and members[-1].op == Op.RESHAPE:  # a trailing view stays a view
