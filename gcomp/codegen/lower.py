@@ -658,7 +658,7 @@ class _Lowering:
         self.buffer(n)
         g = x.ty.edge_graph
         spec = KernelSpec.make("dropout", F=int(prod(x.ty.shape[1:])), p=float(n.attrs["p"]),
-                               seed=int(n.attrs["seed"]), edges=g is not None)
+                               seed=int(n.attrs["seed"]))
         # the mask hashes canonical element ids: user edge ids (perm) or user node ids
         perm = [{"graph": g, "array": "perm"}] if g is not None else []
         if x.ty.is_node:

@@ -338,17 +338,15 @@ def aggregate_max_grad(F: int):
 
 
 @definer("dropout")
-def dropout(F: int, p: float, seed: int, edges: bool = False):
+def dropout(F: int, p: float, seed: int):
     """out = x * keep / (1 - p); keep from the counter hash of gcomp/ir/rng.py.
 
-    The hash counts elements in the op's canonical order: row i of a node tensor is
-    node ids[i] of the user's graph (the runtime may reorder or shard nodes), row j of
-    an edge tensor (stored in CSR order) is edge perm[j] of the user's edge order
-    (``edges``).
+    The hash counts elements in the op's canonical order, which ``ids`` gives per row:
+    row i of a node tensor is node ids[i] of the user's graph (the runtime may reorder or
+    shard nodes); row j of an edge tensor (stored in CSR order) is edge ids[j] of the
+    user's edge order (the graph's ``perm``).
     """
     scale = 1.0 / (1.0 - p)
-    if edges:
-        return _dropout_edges(F, p, seed, scale)
 
     @T.prim_func(s_tir=True)
     def k(ids_h: T.handle, x_h: T.handle, step_h: T.handle, out_h: T.handle):
@@ -364,25 +362,6 @@ def dropout(F: int, p: float, seed: int, edges: bool = False):
                 T.reads(ids[vi], x[vi, vf], step[()])
                 T.writes(out[vi, vf])
                 out[vi, vf] = T.Select(keep(ids[vi] * F + vf, step[()], seed, p),
-                                       x[vi, vf] * T.float32(scale), T.float32(0))
-    return k
-
-
-def _dropout_edges(F: int, p: float, seed: int, scale: float):
-    @T.prim_func(s_tir=True)
-    def k(perm_h: T.handle, x_h: T.handle, step_h: T.handle, out_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        n = T.int64()
-        perm = T.match_buffer(perm_h, (n,), "int64", align=4)
-        x = T.match_buffer(x_h, (n, F), "float32", align=4)
-        step = T.match_buffer(step_h, (), "int32", align=4)
-        out = T.match_buffer(out_h, (n, F), "float32", align=4)
-        for i, f in T.grid(n, F):
-            with T.sblock("drop"):
-                vi, vf = T.axis.remap("SS", [i, f])
-                T.reads(perm[vi], x[vi, vf], step[()])
-                T.writes(out[vi, vf])
-                out[vi, vf] = T.Select(keep(perm[vi] * F + vf, step[()], seed, p),
                                        x[vi, vf] * T.float32(scale), T.float32(0))
     return k
 
