@@ -275,6 +275,27 @@ def test_fuse_epilogues_computes_a_scaled_operand_in_the_epilogue():
     assert print_graph(g) == print_graph(parse_graph(text))  # values unchanged
 
 
+def test_fuse_epilogues_reads_one_value_per_row():
+    """A mean's gradient scales each row by 1 / degree ([N, 1]) after dY @ W.T: the matmul
+    reads the column per row; a static [4, 1] column is no value per node or edge row."""
+    from gcomp.passes import FuseEpilogues
+    text = """graph t(%dy: f32[N,4], %inv: f32[N,1]) {
+  %k = param : f32[4,1]
+  %w = param : f32[4,4]
+  %m = matmul(%dy, %w) : f32[N,4]
+  %s = mul(%m, %inv) : f32[N,4]
+  %v = param : f32[4,4]
+  %p = matmul(%v, %w) : f32[4,4]
+  %q = mul(%p, %k) : f32[4,4]
+  return %s, %q
+}"""
+    g = parse_graph(text)
+    PassManager([FuseEpilogues()])(g)
+    assert g.node("m").meta.get("fused") == ["s"]
+    assert "fused" not in g.node("p").meta
+    assert print_graph(g) == print_graph(parse_graph(text))
+
+
 def test_elide_broadcasts_the_consumer_does_itself():
     """A sum's gradient, broadcast back (autodiff), read by two products: both read the
     small tensor; a broadcast that numpy rules would not reproduce stays (here the other

@@ -10,7 +10,7 @@ semantics are the elementwise ops' (``dense_kernels._apply``).
 
 ``extras`` of a kernel spec list the extra inputs' shape kinds:
 ``"vec"`` ([F], indexed by the flat feature), ``"row"`` ([n, F], same as the
-output) or ``"scalar"`` ([]).
+output), ``"col"`` ([n, 1], one value per row) or ``"scalar"`` ([]).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _operand(extra, extra_value):
 
 def shape(kind: str, rows, width: int) -> tuple:
     """Shape of an extra input of ``kind`` for a kernel output of ``rows`` x ``width``."""
-    return {"vec": (width,), "row": (rows, width), "scalar": ()}[kind]
+    return {"vec": (width,), "row": (rows, width), "col": (rows, 1), "scalar": ()}[kind]
 
 
 def index(kind: str, row, feature):
@@ -48,4 +48,6 @@ def index(kind: str, row, feature):
         return (feature,)
     if kind == "row":
         return (row, feature)
+    if kind == "col":
+        return (row, 0)
     return ()

@@ -264,7 +264,9 @@ class _Lowering:
     def _extra_kind(self, v: Node, out: Node) -> str:
         if v.ty.rank == 0:
             return "scalar"
-        return "vec" if v.ty.is_static else "row"
+        if v.ty.is_static:
+            return "vec"
+        return "col" if v.ty.shape != out.ty.shape and v.ty.shape[-1] == 1 else "row"
 
     def lower_group(self, anchor: Node, members: list[Node]) -> None:
         """One kernel for ``anchor`` and its fused ``members`` (see passes/fuse_epilogues)."""

@@ -12,7 +12,8 @@ whole group, at the position of its last member, writing the last member's value
 Anchors and what they absorb:
 * ``aggregate``, ``attention_aggregate`` and ``matmul`` (``x @ w`` or ``x @ w.T``): an
   epilogue of ``bias_add`` with a bias over the flat features, unary activations, and
-  binary ops with a scalar or a tensor shaped like the result (e.g. GIN's
+  binary ops with a scalar, a column of one value per row or a tensor shaped like the
+  result (e.g. GIN's
   ``(1 + eps) * x`` added after the sum); a ``reshape`` between them is a free view.
   A matmul also absorbs an activation's gradient applied to it (``dy @ W.T`` times
   relu'(y), the backward of a layer), the activation's output or input read per
@@ -67,6 +68,8 @@ def _extra_ok(v, out: TensorType) -> bool:
         return True
     if t.is_static and t.rank == 1 and t.shape[0] == _flat(out):
         return True  # a bias over the flat features
+    if out.rank == 2 and t.shape == (out.shape[0], 1) and not isinstance(out.shape[0], int):
+        return True  # a value per node or edge row (a mean's 1 / degree in its gradient)
     return t.shape == out.shape  # a tensor of the same shape
 
 
