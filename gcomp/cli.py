@@ -500,7 +500,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("compile", help="compile a model into an artifact")
-    c.add_argument("model", help="bundled model (gcn, sage, gin, gat) or an .onnx file")
+    c.add_argument("model", help="bundled model (gcn, sage, gin, gat, ggnn) or an .onnx file")
     c.add_argument("-t", "--target", default="llvm", choices=["llvm", "cuda"])
     c.add_argument("-o", "--output", required=True, help="artifact path (.gcomp)")
     _model_flags(c)
@@ -520,7 +520,7 @@ def _parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_compile)
 
     e = sub.add_parser("explain", help="show the compiler's decisions and the numbers behind them")
-    e.add_argument("model", help="bundled model (gcn, sage, gin, gat) or an .onnx file")
+    e.add_argument("model", help="bundled model (gcn, sage, gin, gat, ggnn) or an .onnx file")
     e.add_argument("-t", "--target", default="llvm", choices=["llvm", "cuda"])
     e.add_argument("--graph", default=None, help="also show the decisions for this graph")
     e.add_argument("--train", action="store_true", help="explain the training step")
@@ -540,8 +540,8 @@ def _parser() -> argparse.ArgumentParser:
     o.set_defaults(func=cmd_opt)
 
     t = sub.add_parser("train", help="train a model on a graph")
-    t.add_argument("model", help="bundled model (gcn, sage, gin, gat), an .onnx file or a "
-                                 "--train artifact")
+    t.add_argument("model", help="bundled model (gcn, sage, gin, gat, ggnn), an .onnx file or "
+                                 "a --train artifact")
     _role_flags(t)
     t.add_argument("--graph", required=True, help="graph .npz with y (and masks), or a bundled name")
     t.add_argument("--epochs", type=int, default=200)

@@ -10,20 +10,22 @@ from __future__ import annotations
 from gcomp.errors import GcompError
 from gcomp.models.gat import GAT
 from gcomp.models.gcn import GCN
+from gcomp.models.ggnn import GGNN
 from gcomp.models.gin import GIN
 from gcomp.models.sage import GraphSAGE
 
-REGISTRY = {"gcn": GCN, "sage": GraphSAGE, "graphsage": GraphSAGE, "gin": GIN, "gat": GAT}
+REGISTRY = {"gcn": GCN, "sage": GraphSAGE, "graphsage": GraphSAGE, "gin": GIN, "gat": GAT,
+            "ggnn": GGNN}
 
 
 def build(name: str, in_channels: int, hidden: int = 16, out_channels: int = 7, layers: int = 2,
           heads: int = 4, seed: int = 0, edge_weight: bool = False, dropout: float = 0.0):
-    """Trace the bundled model ``name`` (gcn, sage, gin, gat) with the given sizes."""
+    """Trace the bundled model ``name`` (gcn, sage, gin, gat, ggnn) with the given sizes."""
     from gcomp.frontend.builder import EdgeInput, GraphInput, NodeInput, trace
 
     key = name.lower()
     if key not in REGISTRY:
-        raise GcompError(f"unknown model {name!r}; bundled models: gcn, sage, gin, gat")
+        raise GcompError(f"unknown model {name!r}; bundled models: gcn, sage, gin, gat, ggnn")
     for what, v in (("in_channels", in_channels), ("hidden", hidden), ("out_channels", out_channels),
                     ("layers", layers), ("heads", heads)):
         if not isinstance(v, int) or v < 1:

@@ -104,6 +104,11 @@ OPS = {
     "mean_max_axis": lambda h, g, p: concat([h.reshape(-1, 3, 2).mean(-1),
                                              h.reshape(-1, 3, 2).max(-1)], 1),
     "softmax": lambda h, g, p: h.softmax() + h.log_softmax(),
+    # overlapping slices, a column no slice reads, an indexed and a sliced parameter
+    "slices": lambda h, g, p: concat([h[:, 1:3] * h[:, 2:4], h[:, :2] * p.b[2],
+                                      h[:, 5:] * p.b[-2:]], 1),
+    "pad_with_zeros": lambda h, g, p: g.aggregate(concat([h, h.new_zeros(h.shape[0], 2)], 1),
+                                                  "sum")[:, 2:],
     "aggregate_sum": lambda h, g, p: g.aggregate(h, "sum"),
     "aggregate_mean": lambda h, g, p: g.aggregate(h, "mean"),
     "aggregate_max": lambda h, g, p: g.aggregate(h, "max"),

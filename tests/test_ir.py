@@ -136,3 +136,26 @@ def test_same_seed_same_parameters():
     c = models.build("gat", 4, hidden=3, out_channels=2, seed=8)
     assert all(np.array_equal(a.params[k], b.params[k]) for k in a.params)
     assert not all(np.array_equal(a.params[k], c.params[k]) for k in a.params)
+
+
+@pytest.mark.parametrize("fn,msg", [
+    (lambda x, p: x[0], "cannot index the symbolic axis 0"),
+    (lambda x, p: x[:, ::2], "step 1"),
+    (lambda x, p: x[:, 3:3], "non-empty"),
+    (lambda x, p: p[5], "index 5 out of range"),
+    (lambda x, p: x[:, :, 0], "too many indices"),
+    (lambda x, p: x[:, "a"], "ints and slices only"),
+    (lambda x, p: x.new_zeros(2, "N"), "static sizes"),
+])
+def test_builder_indexing_errors(fn, msg):
+    from gcomp.frontend.builder import Module, NodeInput, Parameter, trace
+
+    class M(Module):
+        def __init__(self):
+            self.p = Parameter((5, 4))
+
+        def forward(self, x):
+            return fn(x, self.p)
+
+    with pytest.raises(IRError, match=msg):
+        trace(M(), {"x": NodeInput(5)})

@@ -149,6 +149,42 @@ class Value:
     def softmax(self, axis: int = -1): return _op(Op.SOFTMAX, [self], axis=axis)
     def log_softmax(self, axis: int = -1): return _op(Op.LOG_SOFTMAX, [self], axis=axis)
 
+    def __getitem__(self, index):
+        """Basic indexing of static axes, as torch: ``x[:, a:b]`` slices axis 1,
+        ``w[i]`` takes row i of axis 0 (a slice, then a reshape dropping the axis)."""
+        index = index if isinstance(index, tuple) else (index,)
+        if len(index) > len(self.shape):
+            raise IRError(f"too many indices for {self}")
+        out, keep = self, []
+        for ax, ix in enumerate(index + (slice(None),) * (len(self.shape) - len(index))):
+            d = self.shape[ax]
+            if ix == slice(None):
+                keep.append(-1 if ax == 0 and not isinstance(d, int) else d)
+                continue
+            if not isinstance(d, int):
+                raise IRError(f"cannot index the symbolic axis {ax} of {self}")
+            if isinstance(ix, int) and not isinstance(ix, bool):
+                if not -d <= ix < d:
+                    raise IRError(f"index {ix} out of range for axis {ax} of {self}")
+                start, stop = ix % d, ix % d + 1
+            elif isinstance(ix, slice):
+                start, stop, step = ix.indices(d)
+                if step != 1 or stop <= start:
+                    raise IRError(f"slice {ix} of axis {ax} of {self}: gcomp supports "
+                                  "non-empty slices with step 1")
+                keep.append(stop - start)
+            else:
+                raise IRError(f"cannot index {self} with {ix!r} (ints and slices only)")
+            if (start, stop) != (0, d):
+                out = _op(Op.SLICE, [out], axis=ax, start=start, stop=stop)
+        return out.reshape(keep) if len(keep) < len(self.shape) else out
+
+    def new_zeros(self, *shape):
+        """Zeros of ``shape`` (torch's ``x.new_zeros``): static sizes, the first may be
+        ``x.shape[0]``, the symbolic number of nodes."""
+        return Value(_tracer().emit(Op.BROADCAST_TO, [_as_node(0.0)], {"shape": list(shape)},
+                                    "zeros"))
+
 
 class GraphValue:
     """A symbolic graph structure (edge index) produced while tracing."""
@@ -256,6 +292,7 @@ class Parameter:
     def __radd__(self, o): return _binary(Op.ADD, o, self)
     def __mul__(self, o): return _binary(Op.MUL, self, o)
     def __rmul__(self, o): return _binary(Op.MUL, o, self)
+    def __getitem__(self, index): return _as_value(self)[index]
 
 
 class Module:

@@ -300,7 +300,9 @@ def evaluate_node(n, args: list, num_nodes: int):
     if op == Op.ELEMENTWISE_GRAD:
         return _elementwise_grad(Op(a["op"]), a["wrt"], a, args[0], args[1:])
     if op == Op.BROADCAST_TO:
-        return np.broadcast_to(args[0], args[1].shape).copy()
+        shape = (args[1].shape if a["shape"] is None
+                 else [num_nodes if d == "N" else d for d in a["shape"]])
+        return np.broadcast_to(args[0], shape).copy()
     if op == Op.SLICE:
         idx = [slice(None)] * args[0].ndim
         idx[a["axis"]] = slice(a["start"], a["stop"])

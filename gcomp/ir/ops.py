@@ -27,6 +27,10 @@ Semantics (the interpreter in ``gcomp/ir/interpreter.py`` is normative):
 ``edge_remap(g2, w)``     edge values of g2 taken from w on g2's parent graph; new
                           self loops take the parent's loop value where one
                           existed (the last), else ``fill``
+``broadcast_to(x, like)``  x broadcast (numpy rules) to like's shape; with one input,
+                          to the ``shape`` attribute ("N" first for node tensors):
+                          ``broadcast_to[shape=["N", 3]](const 0)`` is zeros [N, 3]
+``slice(x)``              x[start:stop] along ``axis`` (a static axis)
 Isolated nodes aggregate to 0 for every reduction (PyG's convention).
 ``aggregate[flow="out"]`` and ``scatter[side="src"]`` reduce over out-edges
 instead (keyed by source; the transposed graph): backward passes use them.
@@ -37,7 +41,7 @@ Training ops:
 ``cross_entropy(z, y, m)``  sum_i m_i * -log_softmax(z_i)[y_i] / sum_i m_i
 Gradient ops (made by autodiff): ``elementwise_grad`` (d op / d input ``wrt``
 times dy; with ``of_output`` the derivative is computed from the op's output,
-which keeps activations' inputs out of memory), ``cross_entropy_grad``, ``broadcast_to``, ``slice``, ``edge_dot``
+which keeps activations' inputs out of memory), ``cross_entropy_grad``, ``edge_dot``
 (out[e] = sum_c x[src(e),..,c] * y[dst(e),..,c]), ``attention_grad_dst`` /
 ``attention_grad_src`` (the backward of ``attention_aggregate``, below),
 ``aggregate_argmax`` /
@@ -492,13 +496,23 @@ def _infer_elementwise_grad(node) -> Type:
 
 
 def _infer_broadcast_to(node) -> Type:
-    x, like = _tensor(node, 0), _tensor(node, 1)
+    x = _tensor(node, 0)
+    shape = node.attrs["shape"]
+    if (len(node.inputs) == 2) == (shape is not None):
+        _fail(node, "takes the target shape from a second input or a shape attribute, one of them")
+    if shape is None:
+        target = _tensor(node, 1).shape
+    else:
+        target = tuple(shape)
+        if any(not (k == 0 and d == N) and not (type(d) is int and d >= 1)
+               for k, d in enumerate(target)):
+            _fail(node, f"shape {list(shape)} must be static sizes, with \"N\" allowed first")
     try:
-        if broadcast_shapes(x.shape, like.shape) != like.shape:
+        if broadcast_shapes(x.shape, target) != target:
             raise ValueError("not a broadcast")
     except ValueError:
-        _fail(node, f"{x} does not broadcast to {like}")
-    return TensorType(like.shape, x.dtype)
+        _fail(node, f"{x} does not broadcast to {TensorType(target, x.dtype)}")
+    return TensorType(target, x.dtype)
 
 
 def _infer_slice(node) -> Type:
@@ -584,7 +598,8 @@ OPS: dict[Op, OpDef] = {d.op: d for d in [
     OpDef(Op.LOG_SOFTMAX, (1, 1), {"axis": _axis}, _infer_softmax),
     OpDef(Op.SLICE, (1, 1), {"axis": _axis, "start": AttrSpec(required=True, kind=int),
                              "stop": AttrSpec(required=True, kind=int)}, _infer_slice),
-    OpDef(Op.BROADCAST_TO, (2, 2), {}, _infer_broadcast_to),
+    OpDef(Op.BROADCAST_TO, (1, 2), {"shape": AttrSpec(kind=(list, tuple, type(None)))},
+          _infer_broadcast_to),
     OpDef(Op.DROPOUT, (2, 2), {"p": _num(default=0.5), "seed": AttrSpec(default=0, kind=int)},
           _infer_dropout),
     OpDef(Op.CROSS_ENTROPY, (3, 3), {}, _infer_cross_entropy),

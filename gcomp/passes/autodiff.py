@@ -11,7 +11,8 @@ an aggregation over out-edges (the transposed graph, CSC: a gather, no
 atomics); edge weights get ``edge_dot``; fused attention gets
 ``attention_grad_dst`` and ``attention_grad_src`` (no edge tensors); max
 reductions route the gradient to the first maximal edge; dropout reuses its
-(seed, step) mask.
+(seed, step) mask; the gradients of slices of one value are concatenated (zeros
+fill what no slice reads).
 
     Before:  %h = aggregate[reduce="sum"](%g, %x, %w) : f32[N,16]
              ... %loss = cross_entropy(%z, %y, %mask) : f32[]
@@ -27,7 +28,7 @@ from math import prod
 from gcomp.errors import IRError
 from gcomp.ir.graph import Graph, Node
 from gcomp.ir.ops import Op, OpGroup
-from gcomp.ir.types import N, TensorType
+from gcomp.ir.types import N, EdgeDim, TensorType
 from gcomp.passes.manager import Pass
 
 
@@ -57,6 +58,41 @@ class _Builder:
             if d == 1 and grad.ty.shape[ax] != 1:
                 grad = self(Op.SUM, [grad], hint, axis=ax, keepdims=True)
         return grad
+
+    def unslice(self, x: Node, pieces: list, hint: str) -> Node:
+        """d loss / d x from the gradients of slices of x, ``(axis, start, stop, dy)`` each.
+
+        Slices that do not overlap along an axis become one concat with zeros in the
+        gaps, so slices that tile x (a GRU's gates, a stack of weights) cost one copy and
+        no additions."""
+        total = None
+        for ax in sorted({p[0] for p in pieces}):
+            layers: list[list] = []  # each a run of non-overlapping slices, by start
+            for piece in sorted((p for p in pieces if p[0] == ax), key=lambda p: p[1:3]):
+                layer = next((run for run in layers if run[-1][2] <= piece[1]), None)
+                if layer is None:
+                    layers.append([piece])
+                else:
+                    layer.append(piece)
+            for layer in layers:
+                parts, off = [], 0
+                for _, start, stop, g in layer + [(ax, x.ty.shape[ax], None, None)]:
+                    if start > off:
+                        parts.append(self.zeros(x, ax, start - off, hint))
+                    if g is not None:
+                        parts.append(g)
+                        off = stop
+                g = parts[0] if len(parts) == 1 else self(Op.CONCAT, parts, hint, axis=ax)
+                total = g if total is None else self(Op.ADD, [total, g], hint)
+        return total
+
+    def zeros(self, like: Node, axis: int, size: int, hint: str) -> Node:
+        """Zeros shaped like ``like`` but ``size`` long on ``axis``."""
+        shape = list(like.ty.shape)
+        if any(isinstance(d, EdgeDim) for d in shape):
+            raise IRError(f"%{like.name}: no gradient for a partial slice of an edge tensor")
+        shape[axis] = size
+        return self(Op.BROADCAST_TO, [self.const(0.0, hint)], hint, shape=shape)
 
     def inv_degree(self, g: Node, side: str, like: Node, hint: str) -> Node:
         """1 / max(degree, 1), shaped to broadcast against ``like`` ([N, ...])."""
@@ -243,9 +279,20 @@ class Autodiff(Pass):
         order = graph.nodes
         b = _Builder(graph)
         adj: dict[Node, Node] = {loss: b.const(1.0, "grad.seed")}
+        # gradients of slices, put together when their input is reached (all its users
+        # come later in the graph, so all have been differentiated by then)
+        pieces: dict[Node, list] = {}
         for n in reversed(order[:order.index(loss) + 1]):
+            if n in pieces:
+                g = b.unslice(n, pieces.pop(n), f"grad.{n.name}")
+                adj[n] = g if n not in adj else b(Op.ADD, [adj[n], g], f"grad.{n.name}")
             dy = adj.get(n)
             if dy is None or n.op in OpGroup.Leaf or not needs[n]:
+                continue
+            if n.op == Op.SLICE:
+                a = n.attrs
+                pieces.setdefault(n.inputs[0], []).append(
+                    (a["axis"] % n.ty.rank, a["start"], a["stop"], dy))
                 continue
             for i, g in _vjp(b, n, dy, lambda v: needs[v]):
                 src = n.inputs[i]
