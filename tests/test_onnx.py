@@ -151,6 +151,57 @@ def test_fresh_export_of_a_cora_model(kind, opset, tmp_path):
     assert rel_err(art.run(g)[0], _pyg_out(net, g)) <= 1e-4
 
 
+def _ggnn_net(channels: int, in_channels: int):
+    """PyG's GatedGraphConv (2 steps, a GRU cell each) with a Linear readout, as a user
+    writes a GGNN; ``in_channels`` < ``channels`` pads the features with zeros."""
+    import torch
+    from torch_geometric import nn as pnn
+    torch.manual_seed(in_channels)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = pnn.GatedGraphConv(channels, 2)
+            self.lin = torch.nn.Linear(channels, 4)
+
+        def forward(self, x, edge_index, w=None):
+            return self.lin(self.conv(x, edge_index))
+    return Net().eval()
+
+
+@pytest.mark.parametrize("in_channels,opset", [(16, 16), (16, 18), (9, 17)])
+def test_gated_graph_conv_export(in_channels, opset, tmp_path):
+    """The GRU's gates come out of one product through Split; the padding of x to the
+    conv's width is ConstantOfShape [N, k] zeros concatenated to it.  Compared with PyG
+    on the fixed graph and on Cora's edges, and trained: ten Adam steps follow torch's."""
+    pytest.importorskip("torch_geometric", reason="exporting needs torch-geometric")
+    import torch
+    from gcomp.models import export_onnx as ex
+    net = _ggnn_net(16, in_channels)
+    x = np.ascontiguousarray(FIX["x"][:, :in_channels])
+    path = tmp_path / "ggnn.onnx"
+    ex.export(net, x, FIX["edge_index"], path, opset)
+    assert "Split" in {n.op_type for n in onnx.load(path).graph.node}
+    model = import_onnx(path)
+    art = compile_model(model)
+    cora = load_graph("cora")
+    xc = np.random.default_rng(1).standard_normal((cora.num_nodes, in_channels)).astype(np.float32)
+    for g in (GraphData("fixed", x.shape[0], FIX["edge_index"], x),
+              GraphData("cora", cora.num_nodes, cora.edge_index, xc)):
+        assert rel_err(art.run(g)[0], _pyg_out(net, g)) <= 1e-4, g.name
+    g = _labelled(GraphData("cora", cora.num_nodes, cora.edge_index, xc), 4)
+    trainer = Trainer(compile_model(model, train=True), g)  # Adam, lr 0.01
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    xt, ei = torch.from_numpy(xc), torch.from_numpy(cora.edge_index)
+    m, y = torch.from_numpy(g.train_mask), torch.from_numpy(g.y)
+    for step in range(10):
+        opt.zero_grad()
+        ref = torch.nn.functional.cross_entropy(net(xt, ei)[m], y[m])
+        ref.backward()
+        opt.step()
+        assert abs(trainer.step() - ref.item()) <= 1e-4 * ref.item(), step
+
+
 # ---------------------------------------------------------------------- training
 def _labelled(g: GraphData, classes: int) -> GraphData:
     rng = np.random.default_rng(0)

@@ -394,18 +394,48 @@ def t_slice(interp, node, ins):
         idx = range(*slice(int(s), int(e), st).indices(int(d)))
         cuts.append((a, idx))
         shape[a] = len(idx)
+    return [_cut(x, cuts, shape, "Slice")]
+
+
+def _cut(x: Value, cuts: list, shape: list, op_type: str) -> Value:
+    """x restricted to the index ranges ``cuts`` ((axis, range) each; result ``shape``)."""
     if not cuts:
-        return [x]
+        return x
     if isinstance(x, Known):
         arr = x.arr
         for a, idx in cuts:
             arr = np.take(arr, list(idx), axis=a)
-        return [Known(arr, dtype=x.dtype)]
+        return Known(arr, dtype=x.dtype)
     if isinstance(x, Tensor) and len(cuts) == 1 and cuts[0][1].step == 1:
         a, idx = cuts[0]
-        return [tensor(Generic(Op.SLICE, [x], {"axis": a, "start": idx.start, "stop": idx.stop},
-                               full_args=True), shape)]
-    raise ModelImportError(f"Slice of {x.describe()} is not supported")
+        return tensor(Generic(Op.SLICE, [x], {"axis": a, "start": idx.start, "stop": idx.stop},
+                              full_args=True), shape)
+    raise ModelImportError(f"{op_type} of {x.describe()} is not supported")
+
+
+def t_split(interp, node, ins):
+    """Consecutive pieces along a static axis (a GRU's three gates), each a Slice."""
+    x = ins[0]
+    ax = norm_axis(attr(node, "axis", 0), x.rank)
+    d = x.shape[ax]
+    if not is_static(d):
+        raise ModelImportError(f"Split along the symbolic axis {ax} ({d}) is not supported")
+    d, k = int(d), len(node.output)
+    if len(ins) > 1 and ins[1] is not None:
+        sizes = static_ints(ins[1], "Split's sizes")
+    else:  # equal pieces, the last smaller (opset 18's num_outputs)
+        sizes = [-(-d // k)] * (k - 1)
+        sizes.append(d - sum(sizes))
+    if len(sizes) != k or sum(sizes) != d or min(sizes) < 0:
+        raise ModelImportError(f"Split of axis {ax} ({d}) into {sizes} for {k} outputs")
+    outs, start = [], 0
+    for size in sizes:
+        shape = list(x.shape)
+        shape[ax] = size
+        cut = [] if size == d else [(ax, range(start, start + size))]
+        outs.append(_cut(x, cut, shape, "Split"))
+        start += size
+    return outs
 
 
 # ====================================================================== indexing
@@ -844,7 +874,7 @@ TRANSFER = {
     "Cast": t_cast, "ConstantOfShape": t_constant_of_shape, "Range": t_range,
     "Reshape": t_reshape, "Squeeze": t_squeeze, "Unsqueeze": t_unsqueeze, "Flatten": t_flatten,
     "Transpose": t_transpose, "Expand": t_expand, "Tile": t_tile, "Concat": t_concat,
-    "Slice": t_slice, "Gather": t_gather, "GatherND": t_gather_nd, "Equal": t_equal,
+    "Slice": t_slice, "Split": t_split, "Gather": t_gather, "GatherND": t_gather_nd, "Equal": t_equal,
     "Not": t_not, "NonZero": t_nonzero, "Where": t_where, "ScatterElements": t_scatter_elements,
     "ScatterND": t_scatter_nd,
     **{k: t_unary for k in _UNARY}, "LeakyRelu": t_leaky_relu, "Elu": t_elu,

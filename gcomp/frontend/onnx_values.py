@@ -620,6 +620,10 @@ class Emitter:
             zeros = Known(np.zeros(tuple(int(d) for d in v.shape[1:]), np.float32),
                           origin=f"{v.origin}.zeros")
             return self.node(Op.ADD, [node, self.known_ir(zeros)], {}, v, suffix="bcast")
+        if (want and want[0] == IR_N and all(is_static(d) for d in v.shape[1:])
+                and all(h == 1 for h in have)):
+            # a value per element (ConstantOfShape [N, k]: GatedGraphConv's zero padding)
+            return self.node(Op.BROADCAST_TO, [node], {"shape": list(want)}, v, suffix="bcast")
         raise ModelImportError(f"tensor {v.origin!r}: cannot materialize the broadcast of "
                                f"{node.ty} to {fmt(v.shape)}")
 
