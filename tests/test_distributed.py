@@ -144,10 +144,10 @@ def artifacts(tmp_path_factory):
     return d, paths
 
 
-def _run_worker(artifacts, k: int) -> dict:
+def _run_worker(artifacts, k: int, graph: str = "cora") -> dict:
     d, paths = artifacts
     out = d / f"res{k}.json"
-    r = _mpirun(k, [sys.executable, str(d / "worker.py"), str(out), "cora", str(EPOCHS)] + paths,
+    r = _mpirun(k, [sys.executable, str(d / "worker.py"), str(out), graph, str(EPOCHS)] + paths,
                 timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(out.read_text())
@@ -184,6 +184,25 @@ def _json_line(stdout: str) -> dict:
     lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
     assert len(lines) == 1, stdout  # rank 0 alone prints
     return json.loads(lines[0])
+
+
+@needs_mpi
+def test_ggnn_on_two_ranks_matches_one_process(tmp_path):
+    """GGNN's zero padding (a concat), its GRU gates (slices of one product) and their
+    gradients shard like the other ops (dropout masks hashed by global node ids)."""
+    import gcomp.models as models
+    from gcomp.compiler import compile_model
+    cora = load_graph("cora")
+    x = np.random.default_rng(0).standard_normal((cora.num_nodes, 8)).astype(np.float32)
+    graph = tmp_path / "cora8.npz"
+    np.savez(graph, edge_index=cora.edge_index, x=x, y=cora.y, train_mask=cora.train_mask,
+             val_mask=cora.val_mask, test_mask=cora.test_mask)
+    m = models.build("ggnn", 8, hidden=16, out_channels=7, layers=2, dropout=0.5)
+    art = tmp_path / "ggnn.gcomp"
+    compile_model(m, "llvm", train=True).save(art)
+    (tmp_path / "worker.py").write_text(WORKER)
+    runs = (tmp_path, [str(art)])
+    _compare(_run_worker(runs, 1, str(graph)), _run_worker(runs, 2, str(graph)))
 
 
 @needs_mpi
