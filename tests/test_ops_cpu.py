@@ -139,6 +139,27 @@ def test_unary(op):
     run_both(lambda x, g, w: UNARY[op](x))
 
 
+@pytest.mark.parametrize("op", ["tanh", "sigmoid", "exp"])
+def test_polynomial_math_is_accurate_per_element(op):
+    """tanh, sigmoid and exp are polynomials in the kernels (gcomp/codegen/fastmath.py):
+    each element within a few float32 ulps of numpy's float64 value, tiny and large
+    arguments included (tanh switches form at |x| = 0.625)."""
+    from gcomp.runtime.data import GraphData
+    mag = np.concatenate([np.geomspace(1e-7, 0.6249, 300), np.linspace(0.6249, 0.6251, 50),
+                          np.geomspace(0.6251, 20.0, 300)])
+    x = np.concatenate([mag, -mag]).astype(np.float32)
+    if op == "exp":
+        x = x.clip(-80, 80)
+    x = x.reshape(-1, 1)
+    m = trace(Fn(lambda v, g, w: UNARY[op](v)), {"x": NodeInput(1), "edge_index": GraphInput()})
+    g = GraphData("pts", len(x), np.zeros((2, 0), np.int64), x)
+    out = compile_model(m).run(g)[0].astype(np.float64)
+    xd = x.astype(np.float64)
+    ref = {"tanh": np.tanh, "exp": np.exp, "sigmoid": lambda v: 1 / (1 + np.exp(-v))}[op](xd)
+    err = np.abs(out - ref) / np.abs(ref)
+    assert err.max() <= 4e-7, (op, float(err.max()), float(xd[err.argmax(), 0]))
+
+
 @pytest.mark.parametrize("op", ["add", "sub", "mul", "div", "maximum", "minimum"])
 @pytest.mark.parametrize("other", ["node", "row", "col", "scalar_param", "const"])
 def test_binary_broadcasting(op, other):

@@ -13,7 +13,7 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as IB
 
 from gcomp.codegen import epilogue as epi
-from gcomp.codegen.fastmath import fast_exp
+from gcomp.codegen.fastmath import fast_exp, fast_tanh
 from gcomp.codegen.kernels import arg, definer
 
 
@@ -49,7 +49,7 @@ def _apply(op: str, attrs: dict, args):
     if op == "sigmoid":
         return _f32(1) / (_f32(1) + fast_exp(-x))
     if op == "tanh":
-        return tirx.tanh(x)
+        return fast_tanh(x)
     if op == "neg":
         return -x
     if op == "sqrt":
@@ -257,7 +257,7 @@ def _grad_expr(op: str, wrt: int, attrs: dict, dy, xs):
         s = _f32(1) / (_f32(1) + fast_exp(-x))
         d = s * (one - s)
     elif op == "tanh":
-        t = tirx.tanh(x)
+        t = fast_tanh(x)
         d = one - t * t
     elif op == "sqrt":
         d = _f32(0.5) / tirx.sqrt(x)
