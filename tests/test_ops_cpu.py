@@ -222,7 +222,8 @@ def test_matmul_with_bias():
     run_both(lambda x, g, w, W, b: ((x @ W) + b).relu(), params=[(6, 20), (20,)])
 
 
-@pytest.mark.parametrize("K,M", [(300, 16), (260, 45), (130, 64), (128, 40), (16, 7), (9, 3)])
+@pytest.mark.parametrize("K,M", [(300, 16), (260, 45), (130, 64), (128, 40), (16, 7), (9, 3),
+                                 (40, 384), (33, 128)])
 def test_matmul_in_row_groups(K, M):
     """Widths where the CPU matmul multiplies groups of rows on this machine (long rows,
     wide outputs, widths the vector unit does not divide), with a bias and activation in
@@ -237,7 +238,8 @@ def test_matmul_in_row_groups(K, M):
                                         ("default", 9, 3),
                                      ("avx512", 128, 32), ("avx512", 32, 40),
                                      ("avx512", 130, 64), ("avx512", 500, 16),
-                                     ("avx512", 16, 7)])
+                                     ("avx512", 16, 7), ("avx512", 40, 384),
+                                     ("avx512", 40, 128)])
 def test_matmul_row_groups_of_each_tuning(tuning, K, M):
     """The row-group matmul as each tuning table sizes it (group rows, prefetch distance),
     compiled for this machine: bias and ReLU epilogue, row counts that leave the last group
