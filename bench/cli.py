@@ -17,6 +17,7 @@ from pathlib import Path
 from bench.env import (apply_torch_threads, import_dgl, machine, set_threads, versions,
                        wait_quiet)
 from bench.runner import CONFIGS, MODES, PEER_CONFIGS
+from gcomp.errors import GcompError
 
 GRAPHS = ("cora", "pubmed-synth", "arxiv-synth")
 # graph -> (layers, hidden) when --layers / --hidden are not given
@@ -39,10 +40,11 @@ def _list(choices):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from bench.workload import MODELS
+    from bench.workload import EXTRA_MODELS, MODELS
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     p.add_argument("--mode", choices=MODES, default="inference")
-    p.add_argument("--models", type=_list(MODELS), default=list(MODELS))
+    p.add_argument("--models", type=_list(MODELS + EXTRA_MODELS), default=list(MODELS),
+                   help="default: the four below ggnn (which needs --hidden >= the features)")
     p.add_argument("--graphs", type=_list(GRAPHS), default=["arxiv-synth"])
     p.add_argument("--layers", type=int, help="default: 3 on arxiv-synth, 2 on cora / pubmed-synth")
     p.add_argument("--hidden", type=int, help="default: 32 on arxiv-synth, 16 on cora / pubmed-synth")
@@ -191,7 +193,7 @@ def main(argv=None) -> int:
                     report.write_json(results, json_path)
                 del wl, entry
                 gc.collect()
-    except EquivalenceError as e:
+    except (EquivalenceError, GcompError) as e:  # GcompError: e.g. ggnn narrower than x
         results["error"] = str(e)
         report.write_json(results, json_path)
         log(f"\nFAILED: {e}\nPartial results: {json_path}")

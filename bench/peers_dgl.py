@@ -10,6 +10,9 @@ GCN   self loops: existing ones removed, one per node added (PyG's add_remaining
 SAGE  ``SAGEConv('mean')`` on the graph as given.
 GIN   ``GINConv(aggregator_type='sum', learn_eps=True)``.
 GAT   ``GATConv`` on the graph with self loops replaced as for GCN (what PyG's GATConv does).
+GGNN  DGL's ``GatedGraphConv`` shares one message weight across its steps (PyG and gcomp
+      have one per step), so the peer is what it runs, with a weight per step: the zero
+      padding, ``update_all(copy_u, sum)`` of ``h W_l`` and ``torch.nn.GRUCell``.
 """
 
 from __future__ import annotations
@@ -73,9 +76,37 @@ def prepare_graph(kind: str, edge_index: np.ndarray, num_nodes: int):
                   "(directed graph: norm='both' would use out-degrees for sources)")
 
 
-def build_module(model, edge_weight) -> Net:
+class GGNN(torch.nn.Module):
+    """GatedGraphConv with one weight per step, then the Linear readout."""
+
+    def __init__(self, p: dict, hidden: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(t32(p["conv.weight"]).clone())  # [steps, h, h]
+        self.rnn = torch.nn.GRUCell(hidden, hidden)
+        with torch.no_grad():
+            for k in ("weight_ih", "weight_hh"):  # gcomp stores [in, 3 out]
+                getattr(self.rnn, k).copy_(t32(p[f"conv.rnn.{k}"]).T)
+            for k in ("bias_ih", "bias_hh"):
+                getattr(self.rnn, k).copy_(t32(p[f"conv.rnn.{k}"]))
+        w = p["lin.weight"]
+        self.lin = torch.nn.Linear(*w.shape)
+        _set_linear(self.lin, w, p["lin.bias"])
+
+    def forward(self, g, x):
+        h = torch.nn.functional.pad(x, (0, self.weight.shape[1] - x.shape[1]))
+        for w in self.weight:
+            with g.local_scope():
+                g.srcdata["m"] = h @ w
+                g.update_all(dgl.function.copy_u("m", "msg"), dgl.function.sum("msg", "a"))
+                h = self.rnn(g.dstdata["a"], h)
+        return self.lin(h)
+
+
+def build_module(model, edge_weight) -> torch.nn.Module:
     cfg, p = model.config, model.params
     name, L = cfg["model"], cfg["layers"]
+    if name == "ggnn":
+        return GGNN(p, cfg["hidden"])
     convs = []
     for i in range(L):
         pre = f"convs.{i}."

@@ -44,11 +44,38 @@ class Net(torch.nn.Module):
         return x
 
 
-def build_module(model, csr: bool = False) -> Net:
+class GGNN(torch.nn.Module):
+    """GatedGraphConv then the Linear readout (gcomp's bundled ``ggnn``)."""
+
+    def __init__(self, conv, lin):
+        super().__init__()
+        self.conv, self.lin = conv, lin
+
+    def forward(self, x, edge):
+        return self.lin(self.conv(x, edge))
+
+
+def _ggnn(p: dict, hidden: int, steps: int) -> GGNN:
+    conv = pnn.GatedGraphConv(hidden, steps, aggr="add")
+    with torch.no_grad():
+        conv.weight.copy_(t32(p["conv.weight"]))
+        for k in ("weight_ih", "weight_hh"):  # gcomp stores [in, 3 out], torch [3 out, in]
+            getattr(conv.rnn, k).copy_(t32(p[f"conv.rnn.{k}"]).T)
+        for k in ("bias_ih", "bias_hh"):
+            getattr(conv.rnn, k).copy_(t32(p[f"conv.rnn.{k}"]))
+    w = p["lin.weight"]
+    lin = torch.nn.Linear(*w.shape)
+    _set_linear(lin, w, p["lin.bias"])
+    return GGNN(conv, lin)
+
+
+def build_module(model, csr: bool = False) -> torch.nn.Module:
     """A PyG module computing the same function as the bundled gcomp ``model`` (float32).
     ``csr``: the layer options that go with the adjacency of ``csr_input``."""
     cfg, p = model.config, model.params
     name, L = cfg["model"], cfg["layers"]
+    if name == "ggnn":
+        return _ggnn(p, cfg["hidden"], L)
     convs = []
     for i in range(L):
         pre = f"convs.{i}."
@@ -121,7 +148,7 @@ def csr_input(kind: str, edge_index: np.ndarray, num_nodes: int):
     on multigraphs too (the harness checks):
     gcn   values = PyG's gcn_norm of the edge index (self loops, in-degree normalization), and
           GCNConv(normalize=False): the normalization cached=True would compute, made up front
-    gin   values = edge multiplicities; the sum aggregation is one SpMM
+    gin   values = edge multiplicities; the sum aggregation is one SpMM (ggnn: the same)
     sage  values = multiplicity / in-degree and SAGEConv(aggr="sum"): the mean over the
           multigraph (torch's reduce="mean" SpMM divides by the number of stored entries)
     gat   one entry per edge (repeated edges kept: attention weighs each edge), self loops
@@ -135,7 +162,7 @@ def csr_input(kind: str, edge_index: np.ndarray, num_nodes: int):
     if kind == "gcn":
         ei2, w = gcn_norm(ei, None, num_nodes, add_self_loops=True)
         return csr_adj_t(ei2.numpy(), num_nodes, w.numpy()), "adj_t = gcn_norm'd CSR, normalize=False"
-    if kind == "gin":
+    if kind in ("gin", "ggnn"):
         return csr_adj_t(edge_index, num_nodes), "adj_t = CSR with edge multiplicities"
     if kind == "graphsage":
         deg = np.bincount(edge_index[1], minlength=num_nodes).astype(np.float32)

@@ -12,6 +12,9 @@ from functools import lru_cache
 import numpy as np
 
 MODELS = ("gcn", "sage", "gin", "gat")
+# run when named (--models ggnn): GatedGraphConv pads features to its width, so it needs
+# --hidden at least the graph's feature count
+EXTRA_MODELS = ("ggnn",)
 
 
 @dataclass
