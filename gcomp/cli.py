@@ -455,9 +455,10 @@ def cmd_info(args) -> int:
     for label, mem in info.get("memory", {}).items():
         mb = 2 ** 20
         print(f"memory     {label} on {mem['graph']}: {mem['total_bytes'] / mb:.1f} MiB planned "
-              f"peak ({mem['pinned_bytes'] / mb:.1f} pinned + {mem['planned_bytes'] / mb:.1f} in "
-              f"{mem['slots']} shared slots for {mem['buffers']} buffers that would take "
-              f"{mem['without_reuse_bytes'] / mb:.1f} without reuse)")
+              f"peak ({mem['pinned_bytes'] / mb:.1f} pinned + {mem['planned_bytes'] / mb:.1f} "
+              f"shared by {mem['buffers']} buffers that would take "
+              f"{mem['without_reuse_bytes'] / mb:.1f} without reuse; at most "
+              f"{mem['live_peak_bytes'] / mb:.1f} of them live at once)")
     return 0
 
 

@@ -3,9 +3,9 @@
 Expects: a plan and the sizes of one graph (``N`` and every ``E:<graph>``).
 Guarantees: every run-phase intermediate buffer gets storage that no other
 buffer uses during its lifetime (from the first step that touches it to the
-last); buffers whose lifetimes do not overlap share storage (greedy best fit,
-in step order; a buffer given a slot at least twice its size takes its start, and
-the rest becomes a slot of its own).  Pinned buffers keep storage of their own: parameters,
+last); buffers whose lifetimes do not overlap share storage: byte ranges of one
+arena on the CPU (placed largest first), whole allocations on the GPU, whose kernels
+take no views at an offset.  Pinned buffers keep storage of their own: parameters,
 constants and state (they outlive the binding), inputs the run steps read
 (copied in once), outputs and gradients (read after the run), and everything
 the bind- and feed-phase steps write (computed once, read on every run).  A node
@@ -17,7 +17,7 @@ root's storage and extend its lifetime.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from math import prod
 
 from gcomp.runtime.plan import Plan
@@ -51,7 +51,7 @@ class MemoryPlan:
     pinned: list[str]                     # root buffers with storage of their own
     pinned_bytes: int
     unplanned_bytes: int                  # what the planned buffers would take without reuse
-    stats: dict = field(default_factory=dict)
+    live_peak_bytes: int                  # the planned buffers live at the busiest step: a lower bound
 
     @property
     def planned_bytes(self) -> int:
@@ -61,12 +61,14 @@ class MemoryPlan:
         return {"pinned_bytes": self.pinned_bytes, "planned_bytes": self.planned_bytes,
                 "without_reuse_bytes": self.unplanned_bytes,
                 "total_bytes": self.pinned_bytes + self.planned_bytes,
-                "buffers": len(self.slots), "slots": len(self.slot_bytes)}
+                "live_peak_bytes": self.live_peak_bytes,
+                "buffers": len(self.slots), "allocations": len(self.storage_bytes)}
 
 
 def plan_memory(plan: Plan, sizes: dict[str, int], store_names=(),
                 carve: bool = True) -> MemoryPlan:
-    """``carve``: whether a slot may be cut into several (views at an offset)."""
+    """``carve``: whether buffers may be views at an offset into one arena (the CPU);
+    without, buffers share whole allocations (the GPU: kernels take views at offset 0)."""
     results = {_root(plan, o["buffer"]) for o in plan.outputs}
     results |= {_root(plan, g) for g in plan.grads.values()}
     pinned = set(store_names) | set(plan.params) | set(plan.consts) | set(plan.state) | results
@@ -90,46 +92,76 @@ def plan_memory(plan: Plan, sizes: dict[str, int], store_names=(),
     roots = [r for r in first if r not in pinned]
     pinned_roots = sorted({_root(plan, b) for b in plan.buffers} & pinned -
                           set(store_names) - set(plan.params) - set(plan.consts) - set(plan.state))
-    free: list[int] = []  # free slot ids
+    size = {r: nbytes(plan, r, sizes) for r in roots}
+    place = _place_in_arena if carve else _share_allocations
+    slots, slot_bytes, slot_at, storage_bytes = place(roots, first, last, size, len(plan.steps))
+    live_peak = max((sum(size[r] for r in roots if first[r] <= k <= last[r])
+                     for k in range(-1, len(plan.steps))), default=0)
+    return MemoryPlan(slots, slot_bytes, slot_at, storage_bytes, pinned_roots,
+                      sum(nbytes(plan, r, sizes) for r in pinned_roots), sum(size.values()),
+                      live_peak)
+
+
+def _place_in_arena(roots, first, last, size, _steps):
+    """One arena.  Buffers are placed one by one, each at the start of the tightest gap left
+    by the already placed buffers whose lifetimes overlap its own, or past their end; in two
+    orders, keeping the smaller arena: largest first (ties: earlier first use), and largest
+    size x lifetime first.  Big buffers placed first keep small ones from splitting the
+    arena: the step-order best fit this replaced left GGNN's 3-step GRU training plan 40%
+    above the buffers live at its busiest step, this 4%."""
+    orders = (lambda r: (-size[r], first[r], r),
+              lambda r: (-size[r] * (last[r] - first[r] + 1), first[r], r))
+    return min((_place(sorted(roots, key=k), first, last, size) for k in orders),
+               key=lambda p: sum(p[3]))
+
+
+def _place(order, first, last, size):
+    placed: list[tuple[int, int, int, int]] = []  # (offset, end, first, last)
+    slots: dict[str, int] = {}
     slot_bytes: list[int] = []
     slot_at: list[tuple[int, int]] = []
-    storage_bytes: list[int] = []
-    whole: set[int] = set()  # slots that are their whole storage: they may grow
+    for r in order:
+        need = _aligned(size[r])
+        busy = sorted((o, e) for o, e, f, l in placed if f <= last[r] and first[r] <= l)
+        at, tightest, cursor = None, None, 0
+        for o, e in busy:
+            if o - cursor >= need and (tightest is None or o - cursor < tightest):
+                at, tightest = cursor, o - cursor
+            cursor = max(cursor, e)
+        at = cursor if at is None else at
+        placed.append((at, at + need, first[r], last[r]))
+        slots[r] = len(slot_bytes)
+        slot_bytes.append(need)
+        slot_at.append((0, at))
+    arena = max((e for _, e, _, _ in placed), default=0)
+    return slots, slot_bytes, slot_at, [arena] if placed else []
+
+
+def _share_allocations(roots, first, last, size, steps):
+    """Whole allocations shared by buffers with disjoint lifetimes: in step order, a new
+    buffer takes the smallest free allocation that fits, else grows the largest free one,
+    else gets a new one."""
+    free: list[int] = []
+    slot_bytes: list[int] = []
     slots: dict[str, int] = {}
     release_at: dict[int, list[str]] = {}
-    for r in roots:
-        release_at.setdefault(last[r], []).append(r)
     by_start: dict[int, list[str]] = {}
     for r in roots:
+        release_at.setdefault(last[r], []).append(r)
         by_start.setdefault(first[r], []).append(r)
-    for k in range(-1, len(plan.steps)):
-        for r in sorted(by_start.get(k, ()), key=lambda r: -nbytes(plan, r, sizes)):
-            need = nbytes(plan, r, sizes)
-            fits = [s for s in free if slot_bytes[s] >= need]
-            growable = [s for s in free if s in whole]
+    for k in range(-1, steps):
+        for r in sorted(by_start.get(k, ()), key=lambda r: -size[r]):
+            fits = [s for s in free if slot_bytes[s] >= size[r]]
             if fits:
                 s = min(fits, key=lambda s: slot_bytes[s])  # best fit
                 free.remove(s)
-                spare = slot_bytes[s] - _aligned(need)
-                if carve and spare >= need:  # the rest of a much larger slot serves others
-                    storage, offset = slot_at[s]
-                    slot_bytes[s] = _aligned(need)
-                    slot_at.append((storage, offset + slot_bytes[s]))
-                    slot_bytes.append(spare)
-                    free.append(len(slot_bytes) - 1)
-                    whole.discard(s)
-            elif growable:  # grow the largest free slot rather than adding one
-                s = max(growable, key=lambda s: slot_bytes[s])
+            elif free:  # grow the largest free one rather than adding one
+                s = max(free, key=lambda s: slot_bytes[s])
                 free.remove(s)
-                slot_bytes[s] = storage_bytes[slot_at[s][0]] = need
+                slot_bytes[s] = size[r]
             else:
                 s = len(slot_bytes)
-                slot_bytes.append(need)
-                slot_at.append((len(storage_bytes), 0))
-                storage_bytes.append(need)
-                whole.add(s)
+                slot_bytes.append(size[r])
             slots[r] = s
         free.extend(slots[r] for r in release_at.get(k, ()))
-    return MemoryPlan(slots, slot_bytes, slot_at, storage_bytes, pinned_roots,
-                      sum(nbytes(plan, r, sizes) for r in pinned_roots),
-                      sum(nbytes(plan, r, sizes) for r in roots))
+    return slots, slot_bytes, [(s, 0) for s in range(len(slot_bytes))], list(slot_bytes)
