@@ -45,6 +45,32 @@ def _role(n: Node) -> str:
     return "scalar" if n.ty.rank == 0 else "tensor"
 
 
+def _in_place(step: dict, args: list[int]) -> None:
+    """Let the memory plan give ``step``'s output (its last argument) the storage of the
+    input arguments ``args`` when their lifetime ends at this step: the kernel reads each
+    of them only at the index it writes, before writing it (elementwise kernels)."""
+    if args:
+        step["in_place"] = args
+
+
+def _remapped_leaves(expr) -> set[int]:
+    """Leaves of an elementwise tree read at another index than the output's (under a
+    slice or a reshape)."""
+    if expr[0] == "in":
+        return set()
+    op, _, args = expr
+    found = set().union(*(_remapped_leaves(a) for a in args))
+    if op in ("slice", "reshape"):
+        stack = list(args)
+        while stack:
+            e = stack.pop()
+            if e[0] == "in":
+                found.add(e[1])
+            else:
+                stack.extend(e[2])
+    return found
+
+
 def _node_inputs_of(v: Node) -> list[str]:
     """Names of the node inputs ``v`` is computed from."""
     seen, stack, found = set(), [v], set()
@@ -340,7 +366,9 @@ class _Lowering:
         spec = KernelSpec.make("ewise_chain", expr=tree,
                                in_shapes=[_spec_shape(v.ty) for v in leaves],
                                out_shape=_spec_shape(tail.ty))
-        self.step(anchor, spec, [self.arg(v) for v in leaves] + [self.arg(tail)])
+        s = self.step(anchor, spec, [self.arg(v) for v in leaves] + [self.arg(tail)])
+        moved = _remapped_leaves(tree)
+        _in_place(s, [i for i, v in enumerate(leaves) if v.ty == tail.ty and i not in moved])
 
     # -------------------------------------------------------------- leaves
     def lower_input(self, n: Node) -> None:
@@ -589,7 +617,8 @@ class _Lowering:
         spec = KernelSpec.make("ewise", op=n.op.value, attrs=attrs,
                                in_shapes=[_spec_shape(i.ty) for i in n.inputs],
                                out_shape=_spec_shape(n.ty))
-        self.step(n, spec, [self.arg(i) for i in n.inputs] + [self.arg(n)])
+        s = self.step(n, spec, [self.arg(i) for i in n.inputs] + [self.arg(n)])
+        _in_place(s, [k for k, i in enumerate(n.inputs) if i.ty == n.ty])
 
     def lower_reduce(self, n: Node, tree: tuple | None = None) -> None:
         """``tree``: (expression, leaves) of fused elementwise ops computing the input,
@@ -640,7 +669,8 @@ class _Lowering:
         spec = KernelSpec.make("ewise_grad", op=n.attrs["op"], wrt=n.attrs["wrt"], attrs=attrs,
                                in_shapes=[_spec_shape(i.ty) for i in n.inputs],
                                out_shape=_spec_shape(n.ty))
-        self.step(n, spec, [self.arg(i) for i in n.inputs] + [self.arg(n)])
+        s = self.step(n, spec, [self.arg(i) for i in n.inputs] + [self.arg(n)])
+        _in_place(s, [k for k, i in enumerate(n.inputs) if i.ty == n.ty])
 
     def lower_broadcast_to(self, n: Node) -> None:
         x = n.inputs[0]
@@ -700,9 +730,10 @@ class _Lowering:
             raise CompileError(f"%{n.name}: cross_entropy_grad needs the cross_entropy of the "
                                "same operands before it")
         self.buffer(n)
-        self.step(n, KernelSpec.make("cross_entropy_grad", C=int(z.ty.shape[1])),
-                  [self.arg(dy), self.arg(z), self.arg(y), self.arg(m),
-                   self.arg(f"{loss.name}.lse"), self.arg(n)])
+        s = self.step(n, KernelSpec.make("cross_entropy_grad", C=int(z.ty.shape[1])),
+                      [self.arg(dy), self.arg(z), self.arg(y), self.arg(m),
+                       self.arg(f"{loss.name}.lse"), self.arg(n)])
+        _in_place(s, [1])  # element (i, c) of the logits, read once before (i, c) is written
 
     def lower_edge_dot(self, n: Node) -> None:
         g, x, y = n.inputs

@@ -93,13 +93,36 @@ def plan_memory(plan: Plan, sizes: dict[str, int], store_names=(),
     pinned_roots = sorted({_root(plan, b) for b in plan.buffers} & pinned -
                           set(store_names) - set(plan.params) - set(plan.consts) - set(plan.state))
     size = {r: nbytes(plan, r, sizes) for r in roots}
+    host = _in_place_hosts(plan, roots, first, last, size)
+    hosts = [r for r in roots if host[r] == r]
     place = _place_in_arena if carve else _share_allocations
-    slots, slot_bytes, slot_at, storage_bytes = place(roots, first, last, size, len(plan.steps))
-    live_peak = max((sum(size[r] for r in roots if first[r] <= k <= last[r])
+    slots, slot_bytes, slot_at, storage_bytes = place(hosts, first, last, size, len(plan.steps))
+    slots.update({r: slots[host[r]] for r in roots})
+    live_peak = max((sum(size[r] for r in hosts if first[r] <= k <= last[r])
                      for k in range(-1, len(plan.steps))), default=0)
     return MemoryPlan(slots, slot_bytes, slot_at, storage_bytes, pinned_roots,
                       sum(nbytes(plan, r, sizes) for r in pinned_roots), sum(size.values()),
                       live_peak)
+
+
+def _in_place_hosts(plan: Plan, roots: list, first: dict, last: dict, size: dict) -> dict:
+    """Each planned buffer's host: itself, or the input whose storage it takes over in place
+    (the step's ``in_place`` arguments, lowering's promise that the kernel reads them only
+    at the index it writes) where that input's lifetime ends at the step that writes it
+    first.  A host's lifetime (``first``/``last``, updated) spans its guests'."""
+    host = {r: r for r in roots}
+    for k, s in enumerate(plan.steps):
+        out = _root(plan, s["args"][-1]["buf"]) if "buf" in s["args"][-1] else None
+        if out not in host or host[out] != out or first[out] != k:
+            continue
+        for i in s.get("in_place", ()):
+            a = s["args"][i]
+            h = host.get(_root(plan, a["buf"])) if "buf" in a else None
+            if h is not None and h != out and last[h] == k and size[h] == size[out]:
+                host[out] = h
+                last[h] = last[out]
+                break
+    return host
 
 
 def _place_in_arena(roots, first, last, size, _steps):
