@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import report
 from bench.env import apply_torch_threads, machine, set_threads, versions
 
 GEMM_SIDE = 4096
@@ -137,11 +138,7 @@ def main(argv=None) -> dict:
             row["target_ms"] = peer[1] / args.target
         res["models"].append(row)
         print(json.dumps(row), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"compute-floor-{stamp.strftime('%Y%m%dT%H%M%SZ')}.json").write_text(
-        json.dumps(res, indent=1) + "\n")
-    (args.out / "compute-floor-latest.md").write_text(markdown(res))
-    print(markdown(res))
+    report.save(args.out, "compute-floor", stamp, res, markdown(res))
     return res
 
 

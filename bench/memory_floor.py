@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import report
 from bench.env import apply_torch_threads, machine, set_threads, versions
 
 SIZES_MB = (8, 32, 128, 512)
@@ -167,11 +167,7 @@ def main(argv=None) -> dict:
               flush=True)
         if max(diff, tdiff) > 1e-4:
             raise SystemExit(f"aggregation results disagree with scipy ({diff:.2e}, {tdiff:.2e})")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"floor-{stamp.strftime('%Y%m%dT%H%M%SZ')}.json").write_text(
-        json.dumps(res, indent=1) + "\n")
-    (args.out / "floor-latest.md").write_text(markdown(res))
-    print(markdown(res))
+    report.save(args.out, "floor", stamp, res, markdown(res))
     return res
 
 

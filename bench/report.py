@@ -36,6 +36,14 @@ def write_json(results: dict, path: Path) -> None:
     path.write_text(json.dumps(results, indent=1, default=float) + "\n")
 
 
+def save(out: Path, name: str, stamp, results: dict, md: str) -> None:
+    """``out/<name>-<UTC stamp>.json`` and ``out/<name>-latest.md``; prints the markdown."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(results, out / f"{name}-{stamp.strftime('%Y%m%dT%H%M%SZ')}.json")
+    (out / f"{name}-latest.md").write_text(md)
+    print(md)
+
+
 def _ms(r: dict | None) -> str:
     if not r:
         return "-"

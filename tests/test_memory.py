@@ -7,6 +7,16 @@ from gcomp.passes import training_pipeline
 from gcomp.runtime.memory import nbytes, plan_memory
 
 
+def _training_plan(name: str, features: int, optimizer: bool = False, **kw):
+    """(plan, sizes) of a bundled model's training plan, at 1,000 nodes and 5,000 edges."""
+    g = training_pipeline()(models.build(name, features, out_channels=4, **kw).graph.copy())
+    plan, specs = lower(g)
+    plan.loss, plan.grads = g.outputs[0].name, dict(g.meta["grads"])
+    if optimizer:
+        add_optimizer(plan, specs, OptimizerConfig())
+    return plan, {"N": 1000, **{f"E:{gr['name']}": 5000 for gr in plan.graphs}, "NNZ:x": 3000}
+
+
 def _root(plan, name):
     return plan.buffers[name].get("alias", name)
 
@@ -24,13 +34,8 @@ def _lifetimes(plan):
 
 def test_no_two_live_buffers_share_a_slot():
     for name in ("gcn", "gat", "gin", "sage", "ggnn"):
-        g = training_pipeline()(models.build(name, 16, hidden=16 if name == "ggnn" else 8,
-                                              out_channels=4, layers=3,
-                                              dropout=0.5).graph.copy())
-        plan, specs = lower(g)
-        plan.loss, plan.grads = g.outputs[0].name, dict(g.meta["grads"])
-        add_optimizer(plan, specs, OptimizerConfig())
-        sizes = {"N": 1000, **{f"E:{gr['name']}": 5000 for gr in plan.graphs}, "NNZ:x": 3000}
+        plan, sizes = _training_plan(name, 16, optimizer=True, layers=3, dropout=0.5,
+                                     hidden=16 if name == "ggnn" else 8)
         mem = plan_memory(plan, sizes)
         life = _lifetimes(plan)
         fed = {i["name"] for i in plan.inputs if i["role"] == "node"} - set(life)
@@ -86,11 +91,7 @@ def test_features_only_the_feed_reads_share_storage_with_the_run():
     """GCN training: the features feed ``A X`` (once per feed) and no run step reads
     them, so the run's intermediates reuse their storage, cut into several slots; results
     stay those of the interpreter (test_training)."""
-    g = training_pipeline()(models.build("gcn", 64, hidden=8, out_channels=4,
-                                         layers=2).graph.copy())
-    plan, specs = lower(g)
-    plan.loss, plan.grads = g.outputs[0].name, dict(g.meta["grads"])
-    sizes = {"N": 1000, **{f"E:{gr['name']}": 5000 for gr in plan.graphs}, "NNZ:x": 3000}
+    plan, sizes = _training_plan("gcn", 64, hidden=8, layers=2)
     mem = plan_memory(plan, sizes)
     assert "x" not in mem.pinned and "x" in mem.slots
     x_storage, x_at = mem.slot_at[mem.slots["x"]]
@@ -107,11 +108,7 @@ def test_elementwise_outputs_take_over_inputs_read_last():
     """GCN training: the loss gradient is written over the logits (read there for the last
     time); relu's gradient over the incoming gradient, but not over relu's output while a
     later step still reads it."""
-    g = training_pipeline()(models.build("gcn", 16, hidden=8, out_channels=4,
-                                         layers=2).graph.copy())
-    plan, specs = lower(g)
-    plan.loss, plan.grads = g.outputs[0].name, dict(g.meta["grads"])
-    sizes = {"N": 1000, **{f"E:{gr['name']}": 5000 for gr in plan.graphs}, "NNZ:x": 3000}
+    plan, sizes = _training_plan("gcn", 16, hidden=8, layers=2)
     mem = plan_memory(plan, sizes)
     life = _lifetimes(plan)
     ce = next(s for s in plan.steps if s["op"] == "cross_entropy_grad")
