@@ -542,3 +542,65 @@ def test_fuse_attention_with_dropout_of_the_coefficients():
   return %y
 }"""
     same(run_pass(FuseAttention(), before), expected)
+
+
+SPLIT_BEFORE = """graph t(%a: f32[N,2], %b: f32[N,3], %x: f32[N,4]) {
+  %w = param : f32[4,5]
+  %v = param : f32[5,4]
+  %c = concat[axis=1](%a, %b) : f32[N,5]
+  %y = matmul[trans_b=true](%c, %w) : f32[N,4]
+  %z = matmul(%c, %v) : f32[N,4]
+  %gw = matmul[trans_a=true](%x, %c) : f32[4,5]
+  %gb = sum[axis=0](%c) : f32[5]
+  return %y, %z, %gw, %gb
+}"""
+
+
+def test_split_concat_products_reads_the_parts():
+    """A GRU's gate gradients: the concat every user of which is a product or a column
+    sum is not stored; each product reads the parts (weights sliced to them) and adds up,
+    or concatenates weight-sized results; values match the interpreter's on the original
+    graph to float rounding."""
+    import numpy as np
+
+    from gcomp.ir.interpreter import interpret
+    from gcomp.passes import SplitConcatProducts
+    expected = """graph t(%a: f32[N,2], %b: f32[N,3], %x: f32[N,4]) {
+  %w = param : f32[4,5]
+  %v = param : f32[5,4]
+  %y.w = slice[axis=1, start=0, stop=2](%w) : f32[4,2]
+  %y.part0 = matmul[trans_b=true](%a, %y.w) : f32[N,4]
+  %y.w_1 = slice[axis=1, start=2, stop=5](%w) : f32[4,3]
+  %y.part1 = matmul[trans_b=true](%b, %y.w_1) : f32[N,4]
+  %y = add(%y.part0, %y.part1) : f32[N,4]
+  %z.w = slice[axis=0, start=0, stop=2](%v) : f32[2,4]
+  %z.part0 = matmul(%a, %z.w) : f32[N,4]
+  %z.w_1 = slice[axis=0, start=2, stop=5](%v) : f32[3,4]
+  %z.part1 = matmul(%b, %z.w_1) : f32[N,4]
+  %z = add(%z.part0, %z.part1) : f32[N,4]
+  %gw.part0 = matmul[trans_a=true](%x, %a) : f32[4,2]
+  %gw.part1 = matmul[trans_a=true](%x, %b) : f32[4,3]
+  %gw = concat[axis=1](%gw.part0, %gw.part1) : f32[4,5]
+  %gb.part0 = sum[axis=0](%a) : f32[2]
+  %gb.part1 = sum[axis=0](%b) : f32[3]
+  %gb = concat[axis=0](%gb.part0, %gb.part1) : f32[5]
+  return %y, %z, %gw, %gb
+}"""
+    same(run_pass(SplitConcatProducts(), SPLIT_BEFORE), expected)
+    rng = np.random.default_rng(0)
+    inputs = {"a": rng.standard_normal((6, 2)), "b": rng.standard_normal((6, 3)),
+              "x": rng.standard_normal((6, 4))}
+    params = {"w": rng.standard_normal((4, 5)), "v": rng.standard_normal((5, 4))}
+    ref = interpret(parse_graph(SPLIT_BEFORE), inputs, params)
+    got = interpret(parse_graph(expected), inputs, params)
+    for r, g in zip(ref, got):
+        np.testing.assert_allclose(g, r, rtol=1e-12)
+
+
+def test_split_concat_products_keeps_a_concat_read_otherwise():
+    """One user that is neither a product nor a column sum (here relu) keeps the concat
+    for every user."""
+    from gcomp.passes import SplitConcatProducts
+    text = SPLIT_BEFORE.replace("return %y, %z, %gw, %gb",
+                                "%r = relu(%c) : f32[N,5]\n  return %y, %z, %gw, %gb, %r")
+    same(run_pass(SplitConcatProducts(), text), text)

@@ -13,12 +13,14 @@ from gcomp.passes.fuse_epilogues import FuseEpilogues
 from gcomp.passes.hoist_graph_static import HoistGraphStatic
 from gcomp.passes.manager import Instrument, Pass, PassContext, PassError, PassManager
 from gcomp.passes.reorder_linear import ReorderLinear
+from gcomp.passes.split_concat import SplitConcatProducts
 
 
 PASSES = {p.name: p for p in (EvalMode, Canonicalize, CommonSubexprElimination, FuseAggregate,
                               FuseAttention,
                               ReorderLinear, DeadCodeElimination, HoistGraphStatic,
-                              FuseEpilogues, AddLoss, Autodiff, ElideBroadcasts)}
+                              FuseEpilogues, AddLoss, Autodiff, ElideBroadcasts,
+                              SplitConcatProducts)}
 
 
 def default_pipeline() -> PassManager:
@@ -47,6 +49,7 @@ def training_pipeline() -> PassManager:
         ReorderLinear(),       # ... and the backward of a narrower aggregation is narrower
         Autodiff(),            # reverse mode: outputs become [loss, gradients]
         ElideBroadcasts(),     # a sum's gradient read broadcast, not copied
+        SplitConcatProducts(), # a GRU's gate gradients read as parts, not concatenated
         DeadCodeElimination(),
         HoistGraphStatic(),    # degrees and norms of both directions: once per bound graph
         FuseEpilogues(),
@@ -57,4 +60,4 @@ __all__ = ["PASSES", "default_pipeline", "training_pipeline", "Instrument", "Pas
            "PassContext", "PassError", "PassManager", "AddLoss", "Autodiff", "Canonicalize",
            "CommonSubexprElimination", "DeadCodeElimination", "ElideBroadcasts", "EvalMode",
            "FuseAggregate", "FuseAttention", "FuseEpilogues", "HoistGraphStatic",
-           "ReorderLinear"]
+           "ReorderLinear", "SplitConcatProducts"]
