@@ -604,3 +604,36 @@ def test_split_concat_products_keeps_a_concat_read_otherwise():
     text = SPLIT_BEFORE.replace("return %y, %z, %gw, %gb",
                                 "%r = relu(%c) : f32[N,5]\n  return %y, %z, %gw, %gb, %r")
     same(run_pass(SplitConcatProducts(), text), text)
+
+
+REMAT_BEFORE = """graph t(%h: f32[N,8], %n: f32[N,8], %dy: f32[N,8]) {
+  %s = sub(%h, %n) : f32[N,8]
+  %y = mul(%s, %s) : f32[N,8]
+  %loss = sum[axis=0](%y) : f32[8]
+  %dh = mul(%dy, %h) : f32[N,8]
+  %dn = mul(%dy, %n) : f32[N,8]
+  %dz = mul(%dy, %s) : f32[N,8]
+  return %loss, %dh, %dn, %dz
+}"""
+
+
+def test_rematerialize_recomputes_what_the_backward_can():
+    """After the loss (the first output) comes the backward pass: a forward sub of values
+    it reads anyway is computed again before its first backward reader, so the forward
+    value need not live through the backward pass; with one of its inputs not read by the
+    backward pass, recomputing would keep that input alive instead, and nothing changes."""
+    from gcomp.passes import Rematerialize
+    expected = """graph t(%h: f32[N,8], %n: f32[N,8], %dy: f32[N,8]) {
+  %s = sub(%h, %n) : f32[N,8]
+  %y = mul(%s, %s) : f32[N,8]
+  %loss = sum[axis=0](%y) : f32[8]
+  %dh = mul(%dy, %h) : f32[N,8]
+  %dn = mul(%dy, %n) : f32[N,8]
+  %s.again = sub(%h, %n) : f32[N,8]
+  %dz = mul(%dy, %s.again) : f32[N,8]
+  return %loss, %dh, %dn, %dz
+}"""
+    same(run_pass(Rematerialize(), REMAT_BEFORE), expected)
+    kept = REMAT_BEFORE.replace("  %dn = mul(%dy, %n) : f32[N,8]\n", "").replace(
+        "return %loss, %dh, %dn, %dz", "return %loss, %dh, %dz")
+    same(run_pass(Rematerialize(), kept), kept)

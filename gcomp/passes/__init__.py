@@ -12,6 +12,7 @@ from gcomp.passes.fuse_attention import FuseAttention
 from gcomp.passes.fuse_epilogues import FuseEpilogues
 from gcomp.passes.hoist_graph_static import HoistGraphStatic
 from gcomp.passes.manager import Instrument, Pass, PassContext, PassError, PassManager
+from gcomp.passes.rematerialize import Rematerialize
 from gcomp.passes.reorder_linear import ReorderLinear
 from gcomp.passes.split_concat import SplitConcatProducts
 
@@ -20,7 +21,7 @@ PASSES = {p.name: p for p in (EvalMode, Canonicalize, CommonSubexprElimination, 
                               FuseAttention,
                               ReorderLinear, DeadCodeElimination, HoistGraphStatic,
                               FuseEpilogues, AddLoss, Autodiff, ElideBroadcasts,
-                              SplitConcatProducts)}
+                              SplitConcatProducts, Rematerialize)}
 
 
 def default_pipeline() -> PassManager:
@@ -50,6 +51,7 @@ def training_pipeline() -> PassManager:
         Autodiff(),            # reverse mode: outputs become [loss, gradients]
         ElideBroadcasts(),     # a sum's gradient read broadcast, not copied
         SplitConcatProducts(), # a GRU's gate gradients read as parts, not concatenated
+        Rematerialize(),       # cheap elementwise values recomputed, not kept for backward
         DeadCodeElimination(),
         HoistGraphStatic(),    # degrees and norms of both directions: once per bound graph
         FuseEpilogues(),
@@ -60,4 +62,4 @@ __all__ = ["PASSES", "default_pipeline", "training_pipeline", "Instrument", "Pas
            "PassContext", "PassError", "PassManager", "AddLoss", "Autodiff", "Canonicalize",
            "CommonSubexprElimination", "DeadCodeElimination", "ElideBroadcasts", "EvalMode",
            "FuseAggregate", "FuseAttention", "FuseEpilogues", "HoistGraphStatic",
-           "ReorderLinear", "SplitConcatProducts"]
+           "Rematerialize", "ReorderLinear", "SplitConcatProducts"]
