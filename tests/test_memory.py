@@ -142,3 +142,26 @@ def test_an_input_read_later_keeps_its_storage():
     assert mem.slots["b"] != mem.slots["a"]  # a is read again by k2
     assert mem.slots["d"] == mem.slots["a"]  # both a and b end at k2: a, offered first
     assert mem.live_peak_bytes == 2 * 1000 * 8 * 4  # a and b at k1 and k2; d in a's place
+
+
+def test_an_input_also_read_elsewhere_in_the_step_keeps_its_storage():
+    """out = a @ w + a (a residual): a is offered in place as the epilogue's extra but is
+    also the product's x, which a kernel working in column tiles reads again after storing
+    the first tile, so out gets storage of its own."""
+    from gcomp.runtime.plan import Plan
+
+    def buf():
+        return {"dims": ["N", 8], "dtype": "float32"}
+    plan = Plan(inputs=[{"name": "x", "role": "node", "dims": ["N", 8]}],
+                outputs=[{"name": "c", "buffer": "c", "role": "node"}],
+                buffers={"x": buf(), "a": buf(), "out": buf(), "c": buf(),
+                         "w": {"dims": [8, 8], "dtype": "float32"}}, params=["w"],
+                steps=[{"kernel": "k0", "args": [{"buf": "x"}, {"buf": "a"}]},
+                       {"kernel": "mm", "args": [{"buf": "a"}, {"buf": "w"}, {"buf": "a"},
+                                                 {"buf": "out"}], "in_place": [2]},
+                       {"kernel": "k2", "args": [{"buf": "out"}, {"buf": "c"}]}])
+    mem = plan_memory(plan, {"N": 1000})
+    assert mem.slots["out"] != mem.slots["a"]
+    plan.steps[1]["args"][0] = {"buf": "x"}  # x @ w + a: now a may be overwritten
+    mem = plan_memory(plan, {"N": 1000})
+    assert mem.slots["out"] == mem.slots["a"]

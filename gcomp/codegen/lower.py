@@ -337,8 +337,12 @@ class _Lowering:
                 wbuf, (K, M) = (self.transposed(anchor, w) if anchor.attrs["trans_b"]
                                 else (w.name, w.ty.shape))
                 spec = KernelSpec.make("matmul", K=int(K), M=int(M), epilogue=chain, extras=kinds)
-                self.step(anchor, spec, [self.arg(x), self.arg(wbuf)] + ext_args
-                          + [self.arg(tail)], unless=self.variant(feat[0]) if feat else None)
+                s = self.step(anchor, spec, [self.arg(x), self.arg(wbuf)] + ext_args
+                              + [self.arg(tail)], unless=self.variant(feat[0]) if feat else None)
+                # the epilogue reads a row extra at the element it stores, after the sum
+                # (an aggregation's epilogue may not: its output is its accumulator)
+                _in_place(s, [2 + k for k, (e, kind) in enumerate(zip(extras, kinds))
+                              if kind == "row" and e.ty == tail.ty])
                 if feat:
                     self.sparse_feature_matmul(anchor, feat[0], feat[1], w, tail, tuple(chain),
                                                tuple(kinds), ext_args, agg=feat[2])

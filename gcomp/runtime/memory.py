@@ -115,10 +115,16 @@ def _in_place_hosts(plan: Plan, roots: list, first: dict, last: dict, size: dict
         out = _root(plan, s["args"][-1]["buf"]) if "buf" in s["args"][-1] else None
         if out not in host or host[out] != out or first[out] != k:
             continue
-        for i in s.get("in_place", ()):
+        offered = s.get("in_place", ())
+        # an input also passed at another position (a product's x that is also its
+        # epilogue's extra) may be read after the output overwrote it
+        elsewhere = {host.get(_root(plan, a["buf"])) for j, a in enumerate(s["args"][:-1])
+                     if "buf" in a and j not in offered}
+        for i in offered:
             a = s["args"][i]
             h = host.get(_root(plan, a["buf"])) if "buf" in a else None
-            if h is not None and h != out and last[h] == k and size[h] == size[out]:
+            if (h is not None and h != out and h not in elsewhere and last[h] == k
+                    and size[h] == size[out]):
                 host[out] = h
                 last[h] = last[out]
                 break
