@@ -12,21 +12,21 @@ import time
 from bench.runner import Runner
 
 
-def compile_artifact(workload):
+def compile_artifact(workload, precision: str = "fp32"):
     """(artifact, seconds).  The compiled kernel library is cached by gcomp on disk
     ($GCOMP_CACHE_DIR); the harness points that at a fresh directory per run."""
     from gcomp.compiler import compile_model
     t0 = time.perf_counter()
-    art = compile_model(workload.model)
+    art = compile_model(workload.model, precision=precision)
     return art, time.perf_counter() - t0
 
 
-def make(workload, mode: str, artifact=None) -> Runner:
+def make(workload, mode: str, artifact=None, precision: str = "fp32") -> Runner:
     if mode == "training":
-        return make_training(workload, artifact)
+        return make_training(workload, artifact, precision)
     setup = {}
     if artifact is None:
-        artifact, setup["compile_s"] = compile_artifact(workload)
+        artifact, setup["compile_s"] = compile_artifact(workload, precision)
     t0 = time.perf_counter()
     ex = artifact.executor()
     setup["load_s"] = time.perf_counter() - t0
@@ -57,7 +57,7 @@ def make(workload, mode: str, artifact=None) -> Runner:
                          f"{how}) is inside the timed step"])
 
 
-def make_training(workload, artifact=None) -> Runner:
+def make_training(workload, artifact=None, precision: str = "fp32") -> Runner:
     """One epoch = ``Trainer.step()``: forward, masked cross-entropy over the graph's training
     mask (the workload's), backward and one Adam step (lr 0.01), all compiled kernels; the
     features, labels and mask are copied in once at bind time (the peers hold them as tensors
@@ -69,7 +69,8 @@ def make_training(workload, artifact=None) -> Runner:
     if artifact is None:
         t0 = time.perf_counter()
         artifact = compile_model(workload.model, train=True,
-                                 optimizer=OptimizerConfig(name="adam", lr=0.01))
+                                 optimizer=OptimizerConfig(name="adam", lr=0.01),
+                                 precision=precision)
         setup["compile_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     trainer = Trainer(artifact, workload.graph)

@@ -56,7 +56,10 @@ def markdown(results: dict) -> str:
     configs = results["configs"]
     peers = [p for p in dict.fromkeys(CONFIGS[c] for c in configs) if p != "gcomp"]
     prot = results["protocol"]
-    out = [f"# gcomp vs PyG / DGL: {results['mode']}", "",
+    prec = results.get("precision", "fp32")
+    out = [f"# gcomp vs PyG / DGL: {results['mode']}"
+           + (f" (gcomp's activations in {prec}; the peers in fp32)" if prec != "fp32" else ""),
+           "",
            f"{results['date_utc']} -- `{results['command']}`  ",
            f"{results['machine']['cpu_model']}, {results['machine']['cores_available']} cores, "
            f"{results['machine']['memory_gib']} GiB; threads = {results['threads']} for every "

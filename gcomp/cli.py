@@ -108,7 +108,7 @@ def cmd_compile(args) -> int:
         graph = load_graph(args.graph)
     art = compile_model(model, args.target, mcpu=args.mcpu, train=args.train, ctx=ctx,
                         optimizer=_optimizer_from_args(args) if args.train else None,
-                        arch=_arch_from_args(args), graph=graph)
+                        arch=_arch_from_args(args), graph=graph, precision=args.precision)
     art.save(out)
     dt = time.perf_counter() - t0
     if timing is not None:
@@ -307,7 +307,8 @@ def _train(args, comm=None) -> int:
         def build():
             return compile_model(_model_from_args(args), args.target, train=True,
                                  optimizer=_optimizer_from_args(args), arch=_arch_from_args(args),
-                                 graph=graph if args.format == "auto" else None)
+                                 graph=graph if args.format == "auto" else None,
+                                 precision=args.precision)
         if comm is None:
             art = build()
         else:
@@ -441,6 +442,9 @@ def cmd_info(args) -> int:
           + (f", device code {info['device_code_format']}" if info["device_code_format"] else ""))
     print(f"versions   gcomp {info['gcomp_version']}, TVM {info['tvm_version']}, "
           f"format {info['format_version']}")
+    print(f"precision  {info['precision']}"
+          + (" (node-sized activations stored as bfloat16)" if info["precision"] == "bf16"
+             else ""))
     for io_ in ("inputs", "outputs"):
         for s in info["signature"][io_]:
             print(f"{io_[:-1]:<10} {s['name']}: {s['type']} ({s['role']})")
@@ -516,6 +520,9 @@ def _parser() -> argparse.ArgumentParser:
                         "kernel variants its statistics choose")
     c.add_argument("--train", action="store_true",
                    help="also compile a training step (forward, loss, backward, optimizer)")
+    c.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                   help="bf16: store node-sized activations in bfloat16, compute in float32 "
+                        "(weights, optimizer state, inputs and outputs stay float32)")
     _training_flags(c)
     _pass_flags(c)
     c.set_defaults(func=cmd_compile)
@@ -549,6 +556,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("-t", "--target", default="llvm", choices=["llvm", "cuda"],
                    help="when compiling MODEL here: cuda trains on the GPU (docs/cuda.md)")
     t.add_argument("--arch", default=None, help="cuda: GPU architecture (default sm_90)")
+    t.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                   help="bf16: store node-sized activations in bfloat16, compute in float32 "
+                        "(weights, optimizer state, inputs and outputs stay float32)")
     t.add_argument("--layers", type=int, default=2)
     t.add_argument("--hidden", type=int, default=16)
     t.add_argument("--heads", type=int, default=4, help="attention heads (gat)")

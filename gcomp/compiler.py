@@ -18,6 +18,7 @@ from gcomp.codegen.calibrate import calibrate_formats, calibrate_sparse_threshol
 from gcomp.codegen.kernels import KernelSpec, define
 from gcomp.codegen.lower import lower
 from gcomp.codegen.optimizer import OptimizerConfig, add_optimizer
+from gcomp.codegen.precision import PRECISIONS, store_bf16
 from gcomp.codegen.specialize import specialize
 from gcomp.errors import CompileError
 from gcomp.ir.printer import print_graph
@@ -97,7 +98,7 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
                   mcpu: str | None = None, train: bool = False,
                   optimizer: OptimizerConfig | None = None,
                   sparse_threshold: float | None = None, arch: str | None = None,
-                  formats: tuple | None = None, graph=None) -> Artifact:
+                  formats: tuple | None = None, graph=None, precision: str = "fp32") -> Artifact:
     """Compile ``model`` for ``target``; returns a runnable, savable artifact.
 
     ``train=True`` also compiles one whole training step (forward, masked cross-entropy,
@@ -109,7 +110,15 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
     bound graph (``gcomp/runtime/formats.py``; default: all the target has kernels for).
     ``graph`` (a ``GraphData``) specializes the artifact to that graph: the variants its
     statistics rule out are not compiled (``gcomp/codegen/specialize.py``).
+    ``precision="bf16"`` stores node-sized activations in bfloat16, computing in float32
+    (``gcomp/codegen/precision.py``).
     """
+    if precision not in PRECISIONS:
+        raise CompileError(f"unknown precision {precision!r}; choose one of "
+                           f"{', '.join(PRECISIONS)}")
+    if precision == "bf16" and target != "llvm":
+        # the CUDA kernels compile with bfloat16 arguments, but no GPU has run them yet
+        raise CompileError("--precision bf16 is supported for -t llvm only so far")
     tgt = make_target(target, mcpu=mcpu, arch=arch)
     formats = target_formats(tgt) if formats is None else tuple(formats)
     unknown = set(formats) - set(target_formats(tgt))
@@ -142,13 +151,17 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
                 specialize(p, graph)
         used = {k for p in (plan, train_plan) if p is not None for k in p.kernels()}
         specs = {k: v for k, v in specs.items() if k in used}
+    if precision == "bf16":
+        store_bf16([plan, train_plan], specs, tgt)
+        used = {k for p in (plan, train_plan) if p is not None for k in p.kernels()}
+        specs = {k: v for k, v in specs.items() if k in used}
     _add_alignments([plan, train_plan], specs, tgt)
     lib_path = build_library(specs, tgt)
     params = {p.name: model.params[p.name] for p in model.graph.params}
     ops = dict(sorted(Counter(n.op.value for n in ir_graph).items()))
     manifest = new_manifest({"name": model.name, **model.config}, model.signature(), tgt, ops,
                             device_code_format=device_code_format(tgt),
-                            optimizer=opt.to_json() if opt else None)
+                            optimizer=opt.to_json() if opt else None, precision=precision)
     art = Artifact(manifest, plan, params, lib_path.read_bytes(), ir, train_plan)
     art.graphs = {"inference": ir_graph, "training": tgraph if train else None}  # not saved
     return art

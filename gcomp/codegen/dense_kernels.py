@@ -14,7 +14,25 @@ from tvm.script.ir_builder import tirx as IB
 
 from gcomp.codegen import epilogue as epi
 from gcomp.codegen.fastmath import fast_exp, fast_tanh
-from gcomp.codegen.kernels import arg, definer
+from gcomp.codegen.kernels import arg, definer, stored_bf16
+
+
+def _input(shape, name: str):
+    """A float32 input, or bfloat16 where the spec stores it so (``kernels.arg``)."""
+    return te.placeholder(shape, "bfloat16" if stored_bf16(name) else "float32", name=name)
+
+
+def _load(t, idx):
+    """``t[idx]`` widened to float32: the expressions below mix it with float32 values."""
+    v = t[idx]
+    return tirx.Cast("float32", v) if t.dtype == "bfloat16" else v
+
+
+def _result(shape, body, name: str):
+    """``te.compute(shape, body)``, rounded once to bfloat16 where the spec stores it so."""
+    if stored_bf16(name):
+        return te.compute(shape, lambda *i: tirx.Cast("bfloat16", body(*i)), name=name)
+    return te.compute(shape, body, name=name)
 
 
 def _dims(shape, n):
@@ -77,14 +95,15 @@ def ewise(op: str, attrs: tuple, in_shapes: tuple, out_shape: tuple):
     """out = op(inputs...) with numpy broadcasting."""
     n = tirx.Var("n", "int64")
     attrs = dict(attrs)
-    ins = [te.placeholder(_dims(s, n), "float32", name=f"in{i}") for i, s in enumerate(in_shapes)]
+    ins = [_input(_dims(s, n), f"in{i}") for i, s in enumerate(in_shapes)]
     oshape = _dims(out_shape, n)
 
     def body(*idx):
-        vals = [t[_bcast_index(s, out_shape, idx)] if s else t[()] for t, s in zip(ins, in_shapes)]
+        vals = [_load(t, _bcast_index(s, out_shape, idx) if s else ()) for t, s in
+                zip(ins, in_shapes)]
         return _apply(op, attrs, vals)
 
-    out = te.compute(oshape, body, name="ewise")
+    out = _result(oshape, body, "ewise")
     return te.create_prim_func(ins + [out])
 
 
@@ -92,16 +111,17 @@ def ewise(op: str, attrs: tuple, in_shapes: tuple, out_shape: tuple):
 def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = ()):
     """out[i, j] = epilogue(sum_k x[i, k] * w[k, j]) (x: [n, K], w: [K, M])."""
     n = tirx.Var("n", "int64")
-    x = te.placeholder((n, K), "float32", name="x")
+    x = _input((n, K), "x")
     w = te.placeholder((K, M), "float32", name="w")
     k = te.reduce_axis((0, K), name="k")
-    out = te.compute((n, M), lambda i, j: te.sum(x[i, k] * w[k, j], axis=k), name="matmul")
+    # a reduction's output stays float32 (a cast would be a block the schedule lacks)
+    out = te.compute((n, M), lambda i, j: te.sum(_load(x, (i, k)) * w[k, j], axis=k),
+                     name="matmul")
     if not epilogue:
         return te.create_prim_func([x, w, out])
-    ext = [te.placeholder(epi.shape(kind, n, M), "float32",
-                          name=f"e{i}") for i, kind in enumerate(extras)]
-    res = te.compute((n, M), lambda i, j: epi.apply(
-        epilogue, out[i, j], lambda e: ext[e][epi.index(extras[e], i, j)]), name="epilogue")
+    ext = [_input(epi.shape(kind, n, M), f"e{i}") for i, kind in enumerate(extras)]
+    res = _result((n, M), lambda i, j: epi.apply(
+        epilogue, out[i, j], lambda e: _load(ext[e], epi.index(extras[e], i, j))), "epilogue")
     return te.create_prim_func([x, w] + ext + [res])
 
 
@@ -111,7 +131,7 @@ def _tree(expr, leaves, idx, out_shape):
     (``in_shape``), so a column range or a regrouping of a stored tensor is read in place."""
     if expr[0] == "in":
         t, shape = leaves[expr[1]]
-        return t[_bcast_index(shape, out_shape, idx)] if shape else t[()]
+        return _load(t, _bcast_index(shape, out_shape, idx) if shape else ())
     op, attrs, args = expr
     attrs = dict(attrs)
     if op == "slice":
@@ -135,10 +155,9 @@ def _tree(expr, leaves, idx, out_shape):
 def ewise_chain(expr: tuple, in_shapes: tuple, out_shape: tuple):
     """A fused chain of elementwise ops: one pass over memory instead of one per op."""
     n = tirx.Var("n", "int64")
-    ins = [te.placeholder(_dims(s, n), "float32", name=f"in{i}") for i, s in enumerate(in_shapes)]
+    ins = [_input(_dims(s, n), f"in{i}") for i, s in enumerate(in_shapes)]
     leaves = list(zip(ins, in_shapes))
-    out = te.compute(_dims(out_shape, n), lambda *i: _tree(expr, leaves, i, out_shape),
-                     name="ewise")
+    out = _result(_dims(out_shape, n), lambda *i: _tree(expr, leaves, i, out_shape), "ewise")
     return te.create_prim_func(ins + [out])
 
 
@@ -146,9 +165,9 @@ def _operand(shape: tuple, n, expr: tuple | None, in_shapes: tuple | None):
     """The inputs of a kernel reading one tensor of ``shape``, and an element accessor: the
     tensor itself, or a fused elementwise ``expr`` over ``in_shapes`` evaluated in place."""
     if expr is None:
-        x = te.placeholder(_dims(shape, n), "float32", name="x")
-        return [x], lambda idx: x[idx]
-    ins = [te.placeholder(_dims(s, n), "float32", name=f"in{i}") for i, s in enumerate(in_shapes)]
+        x = _input(_dims(shape, n), "x")
+        return [x], lambda idx: _load(x, idx)
+    ins = [_input(_dims(s, n), f"in{i}") for i, s in enumerate(in_shapes)]
     leaves = list(zip(ins, in_shapes))
     return ins, lambda idx: _tree(expr, leaves, idx, shape)
 
@@ -281,34 +300,35 @@ def ewise_grad(op: str, wrt: int, attrs: tuple, in_shapes: tuple, out_shape: tup
     """out = dy * d op / d input[wrt], inputs (dy, *forward inputs) broadcast to out."""
     n = tirx.Var("n", "int64")
     attrs = dict(attrs)
-    ins = [te.placeholder(_dims(s, n), "float32", name=f"in{i}") for i, s in enumerate(in_shapes)]
+    ins = [_input(_dims(s, n), f"in{i}") for i, s in enumerate(in_shapes)]
 
     def body(*idx):
-        vals = [t[_bcast_index(s, out_shape, idx)] if s else t[()] for t, s in zip(ins, in_shapes)]
+        vals = [_load(t, _bcast_index(s, out_shape, idx) if s else ()) for t, s in
+                zip(ins, in_shapes)]
         return _grad_expr(op, wrt, attrs, vals[0], vals[1:])
 
-    out = te.compute(_dims(out_shape, n), body, name="ewise")
+    out = _result(_dims(out_shape, n), body, "ewise")
     return te.create_prim_func(ins + [out])
 
 
 @definer("broadcast")
 def broadcast(in_shape: tuple, out_shape: tuple):
     n = tirx.Var("n", "int64")
-    x = te.placeholder(_dims(in_shape, n), "float32", name="x")
-    out = te.compute(_dims(out_shape, n),
-                     lambda *i: x[_bcast_index(in_shape, out_shape, i)] if in_shape else x[()],
-                     name="ewise")
+    x = _input(_dims(in_shape, n), "x")
+    out = _result(_dims(out_shape, n),
+                  lambda *i: _load(x, _bcast_index(in_shape, out_shape, i) if in_shape else ()),
+                  "ewise")
     return te.create_prim_func([x, out])
 
 
 @definer("slice")
 def slice_(shape: tuple, axis: int, start: int, stop: int):
     n = tirx.Var("n", "int64")
-    x = te.placeholder(_dims(shape, n), "float32", name="x")
+    x = _input(_dims(shape, n), "x")
     oshape = list(_dims(shape, n))
     oshape[axis] = stop - start
-    out = te.compute(tuple(oshape),
-                     lambda *i: x[i[:axis] + (i[axis] + start,) + i[axis + 1:]], name="ewise")
+    out = _result(tuple(oshape),
+                  lambda *i: _load(x, i[:axis] + (i[axis] + start,) + i[axis + 1:]), "ewise")
     return te.create_prim_func([x, out])
 
 

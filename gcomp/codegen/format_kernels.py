@@ -40,7 +40,7 @@ from tvm.script.ir_builder import tirx as T
 from gcomp.codegen import epilogue as epi
 from gcomp.codegen.aggregate_kernel import _finish
 from gcomp.codegen.cpu_kernels import PREFETCH_DISTANCE, _features, _if, _prefetch
-from gcomp.codegen.kernels import arg, definer
+from gcomp.codegen.kernels import arg, definer, stored_bf16
 
 ROWS = 16  # destination rows per block of the dense layout (their outputs stay in L1)
 GROUP = 8  # the banded format's block size is a multiple of this
@@ -192,14 +192,17 @@ def _ell_agg(reduce: str, F: int, epilogue: tuple, extras: tuple):
                     with T.serial(0, p1 - p0) as r:
                         i = T.Bind(tirx.Cast(I64, perm[p0 + r]))
                         first = T.Bind(s0 + r * width)
-                        _features(F, lambda f: T.buffer_store(out, tirx.const(0.0, F32), [i, f]))
+                        # a bfloat16 output is summed in a float32 row (as csr_agg)
+                        acc, at = ((T.alloc_buffer((F,), F32, scope="local"), lambda f: [f])
+                                   if stored_bf16("out") else (out, lambda f: [i, f]))
+                        _features(F, lambda f: T.buffer_store(acc, tirx.const(0.0, F32), at(f)))
 
                         def slot(t):
                             _prefetch(x, cols[tirx.min(first + t + PREFETCH_DISTANCE, S - 1)], F)
                             src = T.Bind(cols[first + t])
                             a = T.Bind(vals[first + t])
-                            _features(F, lambda f: T.buffer_store(out, out[i, f] + a * x[src, f],
-                                                                  [i, f]))
+                            _features(F, lambda f: T.buffer_store(
+                                acc, acc[at(f)] + a * x[src, f], at(f)))
                         if unrolled:
                             for t in range(width):
                                 slot(t)
@@ -208,11 +211,11 @@ def _ell_agg(reduce: str, F: int, epilogue: tuple, extras: tuple):
                                 slot(t)
 
                         def finish(f):
-                            res = _finish(reduce, out[i, f], indptr[i + 1] - indptr[i])
+                            res = _finish(reduce, acc[at(f)], indptr[i + 1] - indptr[i])
                             res = epi.apply(epilogue, res,
                                             lambda q: extra[q][epi.index(extras[q], i, f)])
                             T.buffer_store(out, res, [i, f])
-                        if reduce != "sum" or epilogue:
+                        if reduce != "sum" or epilogue or acc is not out:
                             _features(F, finish)
                 for b in range(ELL_UNROLLED + 1):
                     with _if(k == b):

@@ -30,8 +30,10 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 
+from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as IB
 
@@ -76,8 +78,41 @@ def definer(kind: str, target: str | None = None):
     return reg
 
 
+_STORED_BF16: frozenset = frozenset()  # float32 arguments of the kernel being defined
+#                                        that are stored as bfloat16 (``spec.p["bf16"]``)
+
+
+@contextmanager
+def _stored_bf16(names):
+    global _STORED_BF16
+    saved, _STORED_BF16 = _STORED_BF16, frozenset(names)
+    try:
+        yield
+    finally:
+        _STORED_BF16 = saved
+
+
+def stored_bf16(name: str) -> bool:
+    """Whether argument ``name`` of the kernel being defined is stored as bfloat16."""
+    return name in _STORED_BF16
+
+
+def bound(value):
+    """``T.Bind(value)``, or for a bfloat16 load the load widened to float32, unbound:
+    TVM 0.27's bfloat16 storage legalization miscompiles a variable bound to a widened
+    load (the kernel reads garbage), and LLVM hoists the repeated load itself."""
+    if str(value.ty) == "bfloat16":
+        return tirx.Cast("float32", value)
+    return IB.Bind(value)
+
+
 def arg(name: str, shape, dtype: str):
-    """A buffer argument, named ``name``, of the PrimFunc an IRBuilder is building."""
+    """A buffer argument, named ``name``, of the PrimFunc an IRBuilder is building.  A
+    float32 argument the spec stores as bfloat16 is declared so: TVM widens what the
+    kernel loads from it to float32 (arithmetic with float32 operands) and rounds what it
+    stores into it once, so the kernel body is written for float32 alone."""
+    if dtype == "float32" and name in _STORED_BF16:
+        dtype = "bfloat16"
     buf = IB.match_buffer(IB.arg(name, IB.handle()), shape, dtype, align=4)
     IRBuilder.name(name, buf)
     return buf
@@ -111,7 +146,7 @@ def target_definition(spec: KernelSpec, target: dict | str):
     params = spec.p
     if "tuning" in inspect.signature(fn).parameters:
         params["tuning"] = cpu_tuning(target)
-    func = fn(**params)
+    func = _call(fn, spec, params)
     return None if func is None else func.with_attr("global_symbol", spec.name)
 
 
@@ -124,7 +159,33 @@ def define(spec: KernelSpec, target: dict | str | None = None):
     fn = _DEFINERS.get((spec.kind, None))
     if fn is None:
         raise CompileError(f"no kernel definition for {spec.kind!r}")
-    return fn(**spec.p).with_attr("global_symbol", spec.name)
+    return _call(fn, spec, spec.p).with_attr("global_symbol", spec.name)
+
+
+def _call(fn, spec: KernelSpec, params: dict):
+    """``fn(**params)`` with the arguments ``params["bf16"]`` names stored as bfloat16;
+    a CompileError if the definition did not declare each of them (it names its
+    arguments some other way)."""
+    stored = params.pop("bf16", ())
+    with _stored_bf16(stored):
+        try:
+            func = fn(**params)
+        except Exception as e:  # a definition whose expressions need float32 operands
+            if not stored:
+                raise
+            raise CompileError(f"kernel {spec.kind}: arguments {sorted(stored)} cannot be "
+                               f"stored as bfloat16 ({e})") from e
+    if func is not None and stored:
+        got = {name for name, dtype in param_dtypes(func).items() if dtype == "bfloat16"}
+        if got != set(stored):
+            raise CompileError(f"kernel {spec.kind}: arguments {sorted(set(stored) - got)} "
+                               "cannot be stored as bfloat16")
+    return func
+
+
+def param_dtypes(func) -> dict:
+    """Argument name -> element dtype of a PrimFunc's buffer arguments."""
+    return {p.name: str(p.ty.dtype) for p in func.params if hasattr(p.ty, "dtype")}
 
 
 # importing the definition modules registers them

@@ -19,8 +19,8 @@ from __future__ import annotations
 import numpy as np
 
 from gcomp.errors import InputError
-from gcomp.distributed.halo import (Comm, DistExecutor, build_shard, fused_epilogues,
-                                    local_graph)
+from gcomp.distributed.halo import (Comm, DistExecutor, DistributedError, build_shard,
+                                    fused_epilogues, local_graph)
 from gcomp.distributed.launch import maybe_fault
 from gcomp.distributed.partition import check_parts, partition_graph, partition_report
 from gcomp.runtime.data import GraphData
@@ -33,6 +33,11 @@ class DistributedTrainer(Trainer):
         """``graph``: the whole graph (every rank loads it); ``parts``: a partition to use
         (default: rank 0 computes one with ``method``/``hosts`` and broadcasts it)."""
         require_training(artifact)
+        if artifact.manifest.get("precision", "fp32") != "fp32":
+            # the halo exchange sends float32 rows
+            raise DistributedError("distributed training runs float32 artifacts; this one "
+                                   f"was compiled with --precision "
+                                   f"{artifact.manifest['precision']}")
         self.comm = comm or Comm()
         rank, size = self.comm.rank, self.comm.size
         self.artifact, self.graph, self.seed = artifact, graph, int(seed)

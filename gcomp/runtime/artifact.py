@@ -87,6 +87,7 @@ class Artifact:
             "kind": "training" if self.train_plan is not None else "inference",
             "specialized": self.plan.specialized or None,
             "optimizer": m.get("optimizer"),
+            "precision": m.get("precision", "fp32"),
             "kernels": self.kernels(),
             "num_kernels": len(self.kernels()),
             "ops": m.get("ops", {}),
@@ -208,7 +209,8 @@ def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
 
 
 def new_manifest(model: dict, signature: dict, target: dict, ops: dict,
-                 device_code_format: str | None = None, optimizer: dict | None = None) -> dict:
+                 device_code_format: str | None = None, optimizer: dict | None = None,
+                 precision: str = "fp32") -> dict:
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -221,6 +223,7 @@ def new_manifest(model: dict, signature: dict, target: dict, ops: dict,
         "signature": signature,
         "ops": ops,
         "optimizer": optimizer,
+        "precision": precision,
     }
 
 

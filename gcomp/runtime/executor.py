@@ -35,7 +35,7 @@ from gcomp.runtime.data import GraphData, check_edge_values, check_features
 from gcomp.runtime import formats as fmts
 from gcomp.runtime.features import SparseFeatures, sparse_enough
 from gcomp.runtime.graph import GraphStructure
-from gcomp.runtime.memory import plan_memory
+from gcomp.runtime.memory import ITEMSIZE, plan_memory
 from gcomp.runtime.plan import FEED_PARTS, NONFINITE, Plan
 from gcomp.runtime.reorder import choose_order, inverse, rcm_order, relabel
 
@@ -78,6 +78,15 @@ def _aligned_bytes(nbytes: int, align: int = 4096) -> np.ndarray:
     raw = np.empty(nbytes + align, np.uint8)
     start = -raw.ctypes.data % align
     return raw[start:start + nbytes]
+
+
+def _view(storage: np.ndarray, offset: int, shape: tuple, dtype: str):
+    """A tensor of ``shape`` and ``dtype`` over ``storage`` bytes from ``offset``
+    (bfloat16 through a uint16 view: numpy's DLPack export has no bfloat16)."""
+    size = int(np.prod(shape)) * ITEMSIZE[dtype]
+    view = storage[offset:offset + size].view("uint16" if dtype == "bfloat16" else dtype)
+    t = tvm_ffi.from_dlpack(view.reshape(shape))
+    return t._create_view(shape, dtype) if dtype == "bfloat16" else t
 
 
 def _alignment(a: np.ndarray) -> int:
@@ -272,9 +281,7 @@ class Executor:
                 if name in memory.slots:  # shares storage with buffers it never overlaps
                     st, offset = memory.slot_at[memory.slots[name]]
                     if self.on_cpu:
-                        size = int(np.prod(shape)) * np.dtype(b["dtype"]).itemsize
-                        view = storage[st][offset:offset + size].view(b["dtype"]).reshape(shape)
-                        buffers[name] = tvm_ffi.from_dlpack(view)
+                        buffers[name] = _view(storage[st], offset, shape, b["dtype"])
                     else:
                         buffers[name] = storage[st]._create_view(shape, b["dtype"])
                 else:

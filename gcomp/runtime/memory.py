@@ -22,7 +22,7 @@ from math import prod
 
 from gcomp.runtime.plan import Plan
 
-ITEMSIZE = {"float32": 4, "int32": 4, "int64": 8, "float64": 8}
+ITEMSIZE = {"float32": 4, "int32": 4, "int64": 8, "float64": 8, "bfloat16": 2}
 
 
 def _root(plan: Plan, name: str) -> str:

@@ -1,0 +1,158 @@
+"""Storage precision: node-sized activations in bfloat16 (``--precision bf16``).
+
+Expects lowered plans (inference and training) whose buffers are float32, and their
+kernel specs.  Guarantees, for ``store_bf16``:
+
+* The float32 node-sized buffers the kernels compute (activations, their gradients, the
+  graph-static values computed when features are fed) are stored as bfloat16.  Node
+  inputs, model outputs, the loss, parameters, their gradients, optimizer state, edge
+  values and the inputs of sparse-feature variants stay float32: what the caller gives
+  and gets back is float32 as before, and the weights are updated in float32.
+* Every kernel touching such a buffer declares that argument bfloat16
+  (``spec.p["bf16"]``, ``gcomp/codegen/kernels.py``): it loads it widened to float32,
+  computes and sums in float32 and rounds once when it stores.  A kernel that adds into
+  its output in memory would round after every term; checked on each kernel's TensorIR,
+  such an output (and any argument a kernel's definition cannot declare bfloat16) stays
+  float32, until no kernel needs a change.
+"""
+
+from __future__ import annotations
+
+import re
+
+from gcomp.codegen.kernels import KernelSpec, define, param_dtypes
+from gcomp.errors import CompileError
+from gcomp.runtime.plan import Plan
+
+PRECISIONS = ("fp32", "bf16")
+
+
+def store_bf16(plans: list, specs: dict, tgt: dict) -> None:
+    """Store each plan's activations in bfloat16 (in place: plan buffers, steps and
+    ``specs``); see the module docstring."""
+    for plan in plans:
+        if plan is not None:
+            _store_plan(plan, specs, tgt)
+
+
+def _store_plan(plan: Plan, specs: dict, tgt: dict) -> None:
+    chosen = _candidates(plan)
+    steps = [dict(s) for s in plan.bind_steps + plan.feed_steps + plan.steps]
+    originals = [(s["kernel"], s.get("formats")) for s in steps]
+    names_of: dict[str, list] = {}  # kernel -> its argument names, in order
+    while True:
+        demote: set[str] = set()
+        for s, (kernel, formats) in zip(steps, originals):
+            bufs = _stored_args(plan, s, chosen)
+            if kernel not in names_of:
+                names_of[kernel] = list(param_dtypes(define(specs[kernel], tgt)))
+            names = names_of[kernel]
+            stored = {names[i]: b for i, b in bufs.items()}
+            s["kernel"] = _retyped(kernel, stored, specs, tgt, demote)
+            if formats is not None:
+                s["formats"] = {**formats, "kernels": {
+                    fmt: _retyped(k, stored, specs, tgt, demote)
+                    for fmt, k in formats["kernels"].items()}}
+        if not demote:
+            break
+        chosen -= demote
+    for old, new in zip(plan.bind_steps + plan.feed_steps + plan.steps, steps):
+        old.update(new)
+    for name, b in plan.buffers.items():
+        if _root(plan, name) in chosen:
+            b["dtype"] = "bfloat16"
+
+
+def _root(plan: Plan, name: str) -> str:
+    return plan.buffers[name].get("alias", name)
+
+
+def _candidates(plan: Plan) -> set:
+    """Root buffers that may be stored as bfloat16."""
+    keep = set(plan.params) | set(plan.state) | set(plan.consts) | set(plan.grads.values())
+    keep |= {o["buffer"] for o in plan.outputs} | {i["name"] for i in plan.inputs}
+    keep |= {v["input"] for v in plan.variants.values()}
+    if plan.loss:
+        keep.add(plan.loss)
+    keep = {_root(plan, k) for k in keep if k in plan.buffers}
+    return {n for n, b in plan.buffers.items()
+            if "alias" not in b and n not in keep and b["dtype"] == "float32"
+            and b["dims"] and b["dims"][0] == "N"}
+
+
+def _stored_args(plan: Plan, step: dict, chosen: set) -> dict:
+    """Argument position -> root buffer, for the step's arguments stored as bfloat16."""
+    return {i: _root(plan, a["buf"]) for i, a in enumerate(step["args"])
+            if "buf" in a and _root(plan, a["buf"]) in chosen}
+
+
+def _retyped(kernel: str, stored: dict, specs: dict, tgt: dict, demote: set) -> str:
+    """The kernel with the arguments named in ``stored`` (name -> buffer) in bfloat16;
+    the buffers it cannot take so go into ``demote``."""
+    if not stored:
+        return kernel
+    spec = specs[kernel]
+    new = KernelSpec.make(spec.kind, **spec.p, bf16=tuple(sorted(stored)))
+    if new.name not in _REFUSED:
+        try:
+            _REFUSED[new.name] = _accumulated(define(new, tgt))
+        except CompileError:
+            _REFUSED[new.name] = set(stored)
+    refused = _REFUSED[new.name] & set(stored)
+    if refused:
+        demote.update(stored[name] for name in refused)
+        return kernel
+    specs[new.name] = new
+    return new.name
+
+
+_REFUSED: dict[str, set] = {}  # kernel -> the bfloat16 arguments it cannot take
+
+
+def _accumulated(func) -> set:
+    """Arguments a kernel both stores into and loads from (from its TensorIR text), or
+    stores a bfloat16 constant into (TVM 0.27 cannot lower that store)."""
+    names = set(param_dtypes(func))
+    written, read = set(), set()
+    func_lines = func.script().splitlines()
+    for k, line in enumerate(func_lines):
+        body = line.strip()
+        if body.startswith("T.writes("):  # a block's declared writes
+            written.update(m for m in re.findall(r"\b(\w+)\[", body) if m in names)
+            continue
+        target = _assigned(body, names)
+        if target is not None:
+            written.add(target[0])
+            body = target[1]
+            if "T.bfloat16(" in body and _in_vector_loop(func_lines, k):
+                read.add(target[0])  # a constant TVM 0.27 cannot store as a vector
+        read.update(m for m in re.findall(r"\b(\w+)\[", body) if m in names)
+    return written & read
+
+
+def _in_vector_loop(lines: list, k: int) -> bool:
+    """Whether line ``k`` of a TensorIR text is inside a vectorized loop (by indentation)."""
+    depth = len(lines[k]) - len(lines[k].lstrip())
+    for line in reversed(lines[:k]):
+        d = len(line) - len(line.lstrip())
+        if d < depth and line.strip():
+            if "T.vectorized(" in line:
+                return True
+            depth = d
+    return False
+
+
+def _assigned(line: str, names: set):
+    """(buffer, right-hand side) of a buffer store ``name[...] = value``, else None."""
+    m = re.match(r"(\w+)\[", line)
+    if not m or m.group(1) not in names:
+        return None
+    depth, i = 0, len(m.group(1))
+    for i in range(len(m.group(1)), len(line)):
+        depth += {"[": 1, "]": -1}.get(line[i], 0)
+        if depth == 0:
+            break
+    rest = line[i + 1:]
+    if not rest.startswith(" = "):
+        return None
+    return m.group(1), line[len(m.group(1)) + 1:i] + " " + rest[3:]
