@@ -92,21 +92,40 @@ def _retyped(kernel: str, stored: dict, specs: dict, tgt: dict, demote: set) -> 
     if not stored:
         return kernel
     spec = specs[kernel]
-    new = KernelSpec.make(spec.kind, **spec.p, bf16=tuple(sorted(stored)))
-    if new.name not in _REFUSED:
-        try:
-            _REFUSED[new.name] = _accumulated(define(new, tgt))
-        except CompileError:
-            _REFUSED[new.name] = set(stored)
-    refused = _REFUSED[new.name] & set(stored)
+    refused = set(stored) - _accepted(spec, frozenset(stored), tgt)
     if refused:
         demote.update(stored[name] for name in refused)
         return kernel
+    new = KernelSpec.make(spec.kind, **spec.p, bf16=tuple(sorted(stored)))
     specs[new.name] = new
     return new.name
 
 
-_REFUSED: dict[str, set] = {}  # kernel -> the bfloat16 arguments it cannot take
+def _accepted(spec: KernelSpec, names: frozenset, tgt: dict) -> frozenset:
+    """The arguments among ``names`` the kernel takes as bfloat16: all, or those added one
+    at a time (in name order) while it still does (its definition mixes some of them with
+    float32 values it cannot widen, or adds into one)."""
+    key = (spec.name, names)
+    if key not in _ACCEPTED:
+        def takes(sub: frozenset) -> bool:
+            try:
+                func = define(KernelSpec.make(spec.kind, **spec.p, bf16=tuple(sorted(sub))),
+                              tgt)
+            except CompileError:
+                return False
+            return not _accumulated(func) & sub
+        if takes(names):
+            _ACCEPTED[key] = names
+        else:
+            ok: frozenset = frozenset()
+            for name in sorted(names):
+                if takes(ok | {name}):
+                    ok |= {name}
+            _ACCEPTED[key] = ok
+    return _ACCEPTED[key]
+
+
+_ACCEPTED: dict = {}  # (kernel, arguments asked for) -> the arguments it takes as bfloat16
 
 
 def _accumulated(func) -> set:
