@@ -107,7 +107,8 @@ def markdown(results: dict) -> str:
                 cells.append(f"{m['peak_rss_mb']:,.0f} (+{m['extra_mb']:,.0f})"
                              if m and m.get("status") == "ok" else (m or {}).get("status", "-"))
             out.append(f"| {e['model']} | " + " | ".join(cells) + " |")
-        out += ["", "One-time costs (s) and output check (max relative difference to gcomp):", "",
+        out += ["", "One-time costs (s) and output check (max relative difference to gcomp"
+                + ("'s float32 forward" if prec != "fp32" else "") + "):", "",
                 "| model | gcomp compile / bind | torch.compile first call | max rel. diff |",
                 "|---|---|---|---|"]
         for e in ents:
@@ -116,7 +117,8 @@ def markdown(results: dict) -> str:
             gcell = f"{gs['compile_s']:.2f} / {gs['bind_s']:.3f}" if "compile_s" in gs else "-"
             pcell = f"{pc['compile_s']:.1f}" if "compile_s" in pc else "-"
             diffs = ", ".join(f"{c} {r['max_rel_diff']:.1e}" for c, r in e["configs"].items()
-                              if r.get("max_rel_diff") is not None and c != "gcomp")
+                              if r.get("max_rel_diff") is not None
+                              and (c != "gcomp" or prec != "fp32"))
             out.append(f"| {e['model']} | {gcell} | {pcell} | {diffs} |")
         out.append("")
     notes = []
