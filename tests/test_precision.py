@@ -119,3 +119,43 @@ def test_cuda_bfloat16_is_refused_until_run_on_a_gpu():
     m = models.build("gcn", 8, hidden=8, out_channels=2, layers=2)
     with pytest.raises(CompileError, match="-t llvm only"):
         compile_model(m, "cuda", precision="bf16")
+
+
+@pytest.mark.parametrize("force", [None, True, False])
+def test_values_a_variant_measures_are_stored_as_bfloat16_too(force):
+    """GraphSAGE's mean of the input features (training plan) is computed once per feed
+    and its sparsity picks a kernel variant: stored as bfloat16, it is measured and
+    matched (its ``match_kernel`` reads bfloat16); with either variant the loss stays
+    within bfloat16 rounding of the float32 artifact's, and features fed later are
+    picked up."""
+    from conftest import awkward_graph
+    from gcomp.runtime.executor import Executor
+    from gcomp.runtime.trainer import OPT_STEP
+    g = awkward_graph(num_nodes=90, num_edges=500, num_features=16, seed=5)
+    x = g.dense_x()
+    x[np.random.default_rng(1).random(x.shape) < 0.97] = 0.0
+    m = models.build("sage", 16, hidden=8, out_channels=3, layers=2)
+    arts = {p: compile_model(m, train=True, sparse_threshold=0.5, precision=p)
+            for p in ("fp32", "bf16")}
+    plan = arts["bf16"].train_plan
+    computed = [k for k, v in plan.variants.items() if "sources" in v]
+    assert computed and all(plan.buffers[plan.variants[k]["input"]]["dtype"] == "bfloat16"
+                            for k in computed)
+    y = (np.arange(90) % 3).astype(np.int32)
+    exs, bound = {}, {}
+    for p, art in arts.items():
+        exs[p] = Executor(art.train_plan, art.library(), art.params)
+        if force is not None:
+            exs[p].force_variants = {k: force for k in computed}
+        bound[p] = exs[p].bind(g, {"x": x})
+    if force is not False:
+        assert set(computed) <= bound["bf16"].variants
+    for x_fed in (x, np.where(x != 0, x * 3.0, 0.0).astype(np.float32)):  # then moved values
+        losses = {}
+        for p, ex in exs.items():
+            b = ex.feed(bound[p], {"x": x_fed, "labels": y,
+                                   "train_mask": np.ones(90, np.float32)})
+            ex.set(OPT_STEP, 1)
+            ex.execute(b)
+            losses[p] = float(b.buffers[arts[p].train_plan.loss].numpy())
+        assert abs(losses["bf16"] - losses["fp32"]) <= 3e-2 * abs(losses["fp32"]), losses

@@ -693,14 +693,15 @@ def match_rows(F: int):
                     i = lo + r
 
                     def scan(f):
-                        bits = tirx.reinterpret(i32, x[i, f]) & exponent
+                        v = tirx.Cast(f32, x[i, f])  # x may be stored as bfloat16
+                        bits = tirx.reinterpret(i32, v) & exponent
                         T.buffer_store(acc, tirx.max(acc[f], bits), [f])
                         T.buffer_store(count, count[f] + tirx.Select(
-                            x[i, f] != tirx.const(0.0, f32), one, zero), [f])
+                            v != tirx.const(0.0, f32), one, zero), [f])
                     _features(F, scan)
                     with T.serial(indptr[i], indptr[i + 1]) as k:
                         T.buffer_store(diff, tirx.max(diff[0], tirx.Select(
-                            x[i, indices[k]] != values[k, 0], one, zero)), [0])
+                            tirx.Cast(f32, x[i, indices[k]]) != values[k, 0], one, zero)), [0])
                 T.buffer_store(total, tirx.const(0, i64), [0])
                 T.buffer_store(flags, zero, [p])
                 with T.serial(0, F) as f:

@@ -5,9 +5,11 @@ kernel specs.  Guarantees, for ``store_bf16``:
 
 * The float32 node-sized buffers the kernels compute (activations, their gradients, the
   graph-static values computed when features are fed) are stored as bfloat16.  Node
-  inputs, model outputs, the loss, parameters, their gradients, optimizer state, edge
-  values and the inputs of sparse-feature variants stay float32: what the caller gives
-  and gets back is float32 as before, and the weights are updated in float32.
+  inputs, model outputs, the loss, parameters, their gradients, optimizer state and edge
+  values stay float32: what the caller gives and gets back is float32 as before, and the
+  weights are updated in float32.  A computed value whose sparsity picks a kernel
+  variant (GraphSAGE's mean of the input features) is measured, and checked by its
+  variant's ``match_kernel``, in bfloat16.
 * Every kernel touching such a buffer declares that argument bfloat16
   (``spec.p["bf16"]``, ``gcomp/codegen/kernels.py``): it loads it widened to float32,
   computes and sums in float32 and rounds once when it stores.  A kernel that adds into
@@ -40,6 +42,8 @@ def _store_plan(plan: Plan, specs: dict, tgt: dict) -> None:
     steps = [dict(s) for s in plan.bind_steps + plan.feed_steps + plan.steps]
     originals = [(s["kernel"], s.get("formats")) for s in steps]
     names_of: dict[str, list] = {}  # kernel -> its argument names, in order
+    variants = [dict(v) for v in plan.variants.values()]
+    matches = [v.get("match_kernel") for v in variants]
     while True:
         demote: set[str] = set()
         for s, (kernel, formats) in zip(steps, originals):
@@ -53,10 +57,17 @@ def _store_plan(plan: Plan, specs: dict, tgt: dict) -> None:
                 s["formats"] = {**formats, "kernels": {
                     fmt: _retyped(k, stored, specs, tgt, demote)
                     for fmt, k in formats["kernels"].items()}}
+        for v, match in zip(variants, matches):  # it tells whether a variant's values moved
+            root = _root(plan, v["input"])
+            if match is not None:
+                v["match_kernel"] = _retyped(match, {"x": root} if root in chosen else {},
+                                             specs, tgt, demote)
         if not demote:
             break
         chosen -= demote
     for old, new in zip(plan.bind_steps + plan.feed_steps + plan.steps, steps):
+        old.update(new)
+    for old, new in zip(plan.variants.values(), variants):
         old.update(new)
     for name, b in plan.buffers.items():
         if _root(plan, name) in chosen:
@@ -71,7 +82,6 @@ def _candidates(plan: Plan) -> set:
     """Root buffers that may be stored as bfloat16."""
     keep = set(plan.params) | set(plan.state) | set(plan.consts) | set(plan.grads.values())
     keep |= {o["buffer"] for o in plan.outputs} | {i["name"] for i in plan.inputs}
-    keep |= {v["input"] for v in plan.variants.values()}
     if plan.loss:
         keep.add(plan.loss)
     keep = {_root(plan, k) for k in keep if k in plan.buffers}
