@@ -177,7 +177,8 @@ def cmd_explain(args) -> int:
         graph_data = load_graph(args.graph)
     model = _model_from_args(args)
     art = compile_model(model, args.target, train=args.train,
-                        optimizer=_optimizer_from_args(args) if args.train else None)
+                        optimizer=_optimizer_from_args(args) if args.train else None,
+                        precision=args.precision)
     g = art.graphs["training"] if args.train else art.graphs["inference"]
     report = explain(g, {"inference": art.plan, "training": art.train_plan}, graph_data)
     print(json.dumps(report, indent=1) if args.json else render(report))
@@ -532,6 +533,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("-t", "--target", default="llvm", choices=["llvm", "cuda"])
     e.add_argument("--graph", default=None, help="also show the decisions for this graph")
     e.add_argument("--train", action="store_true", help="explain the training step")
+    e.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                   help="bf16: store node-sized activations in bfloat16, compute in float32 "
+                        "(weights, optimizer state, inputs and outputs stay float32)")
     e.add_argument("--json", action="store_true")
     _model_flags(e)
     _role_flags(e)

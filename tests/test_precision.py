@@ -159,3 +159,18 @@ def test_values_a_variant_measures_are_stored_as_bfloat16_too(force):
             ex.execute(b)
             losses[p] = float(b.buffers[arts[p].train_plan.loss].numpy())
         assert abs(losses["bf16"] - losses["fp32"]) <= 3e-2 * abs(losses["fp32"]), losses
+
+
+def test_explain_lists_what_is_stored_in_bfloat16_and_why_the_rest_is_not():
+    from gcomp.debug.explain import explain, render
+    m = models.build("gcn", 24, hidden=32, out_channels=5, layers=3)
+    art = compile_model(m, train=True, precision="bf16")
+    report = explain(art.graphs["training"], {"inference": art.plan, "training": art.train_plan})
+    p = report["precision"]["training"]
+    assert set(p["bfloat16"]) == _stored(art.train_plan)
+    assert "cross_entropy" in p["kept_float32"]["loss.lse"]
+    assert p["bytes_per_node_saved"] == sum(
+        2 * int(np.prod(art.train_plan.buffers[b]["dims"][1:])) for b in p["bfloat16"])
+    assert "storage (training):" in render(report)
+    fp32 = compile_model(m, train=True)
+    assert "precision" not in explain(fp32.graphs["training"], {"training": fp32.train_plan})

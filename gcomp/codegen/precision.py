@@ -44,8 +44,9 @@ def _store_plan(plan: Plan, specs: dict, tgt: dict) -> None:
     names_of: dict[str, list] = {}  # kernel -> its argument names, in order
     variants = [dict(v) for v in plan.variants.values()]
     matches = [v.get("match_kernel") for v in variants]
+    kept: dict[str, str] = {}  # buffer kept float32 -> why
     while True:
-        demote: set[str] = set()
+        demote: dict[str, str] = {}
         for s, (kernel, formats) in zip(steps, originals):
             bufs = _stored_args(plan, s, chosen)
             if kernel not in names_of:
@@ -64,7 +65,8 @@ def _store_plan(plan: Plan, specs: dict, tgt: dict) -> None:
                                              specs, tgt, demote)
         if not demote:
             break
-        chosen -= demote
+        chosen -= set(demote)
+        kept.update(demote)
     for old, new in zip(plan.bind_steps + plan.feed_steps + plan.steps, steps):
         old.update(new)
     for old, new in zip(plan.variants.values(), variants):
@@ -72,6 +74,7 @@ def _store_plan(plan: Plan, specs: dict, tgt: dict) -> None:
     for name, b in plan.buffers.items():
         if _root(plan, name) in chosen:
             b["dtype"] = "bfloat16"
+    plan.precision = {"bfloat16": sorted(chosen), "kept_float32": dict(sorted(kept.items()))}
 
 
 def _root(plan: Plan, name: str) -> str:
@@ -96,15 +99,16 @@ def _stored_args(plan: Plan, step: dict, chosen: set) -> dict:
             if "buf" in a and _root(plan, a["buf"]) in chosen}
 
 
-def _retyped(kernel: str, stored: dict, specs: dict, tgt: dict, demote: set) -> str:
+def _retyped(kernel: str, stored: dict, specs: dict, tgt: dict, demote: dict) -> str:
     """The kernel with the arguments named in ``stored`` (name -> buffer) in bfloat16;
-    the buffers it cannot take so go into ``demote``."""
+    the buffers it cannot take so go into ``demote`` (buffer -> why)."""
     if not stored:
         return kernel
     spec = specs[kernel]
     refused = set(stored) - _accepted(spec, frozenset(stored), tgt)
     if refused:
-        demote.update(stored[name] for name in refused)
+        demote.update({stored[name]: f"{spec.kind} cannot take its {name!r} in bfloat16"
+                       for name in refused})
         return kernel
     new = KernelSpec.make(spec.kind, **spec.p, bf16=tuple(sorted(stored)))
     specs[new.name] = new

@@ -31,6 +31,11 @@ def _row_bytes(t: TensorType) -> int:
     return int(prod(d for d in t.shape[1:])) * 4
 
 
+def _node_row(buf: dict) -> int:
+    """Values per node row of a plan buffer whose first dimension is N."""
+    return int(np.prod([d for d in buf["dims"][1:]], dtype=np.int64))
+
+
 def explain(graph: Graph, plans: dict, graph_data=None) -> dict:
     """A JSON-able report; ``plans`` maps "inference"/"training" to plans."""
     report: dict = {"model": graph.name, "fusion": [], "attention": [], "reorder": [],
@@ -67,6 +72,11 @@ def explain(graph: Graph, plans: dict, graph_data=None) -> dict:
                                     "feed_steps": len(plan.feed_steps)}
         if plan.formats:
             report["format_costs"] = plan.formats["costs"]
+        if plan.precision:
+            stored = plan.precision["bfloat16"]
+            report.setdefault("precision", {})[label] = {
+                "bfloat16": stored, "kept_float32": plan.precision["kept_float32"],
+                "bytes_per_node_saved": sum(2 * _node_row(plan.buffers[b]) for b in stored)}
         backward = [f"{s['op']} %{s['node']}" for s in plan.steps
                     if s["op"] in ("attention_grad_dst", "attention_grad_src")]
         if backward:
@@ -156,6 +166,10 @@ def render(report: dict) -> str:
         elif "chosen" in s:
             line += f"; this graph: sparsity {s['graph_sparsity']:.4f} -> {s['chosen']} kernels"
         lines.append(line)
+    for label, p in report.get("precision", {}).items():
+        kept = "; ".join(f"{b} ({why})" for b, why in p["kept_float32"].items()) or "none"
+        lines.append(f"storage ({label}): {len(p['bfloat16'])} node-sized values in bfloat16, "
+                     f"{p['bytes_per_node_saved']:,} bytes per node saved; kept float32: {kept}")
     for label, k in report["kernels"].items():
         lines.append(f"{label}: {k['kernels']} kernels, {k['run_steps']} steps per run, "
                      f"{k['bind_steps']} once per graph, {k['feed_steps']} once per feed")

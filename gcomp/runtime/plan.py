@@ -43,6 +43,8 @@ a graph value) or ints.
   ``gcomp/runtime/formats.py`` chooses (the banded block size comes from the bound graph).
 * ``alignment`` (CPU): kernel -> the byte alignment it assumes of each argument; the
   runtime passes the caller's own feature array only to kernels it suffices for.
+* ``precision``: with ``--precision bf16``, the buffers stored as ``bfloat16`` and the
+  node-sized ones kept float32 with the reason (``gcomp/codegen/precision.py``).
 * ``specialized``: for a plan compiled for one graph (``gcomp/codegen/specialize.py``),
   the graph's name and sizes and the decisions made for it; empty otherwise.
 * training plans: ``loss`` (buffer of the scalar loss) and ``grads``
@@ -76,6 +78,7 @@ class Plan:
     formats: dict = field(default_factory=dict)
     specialized: dict = field(default_factory=dict)
     alignment: dict[str, list[int]] = field(default_factory=dict)
+    precision: dict = field(default_factory=dict)
     bind_steps: list[dict] = field(default_factory=list)
     feed_steps: list[dict] = field(default_factory=list)
     steps: list[dict] = field(default_factory=list)
