@@ -174,3 +174,18 @@ def test_explain_lists_what_is_stored_in_bfloat16_and_why_the_rest_is_not():
     assert "storage (training):" in render(report)
     fp32 = compile_model(m, train=True)
     assert "precision" not in explain(fp32.graphs["training"], {"training": fp32.train_plan})
+
+
+def test_cli_compiles_saves_and_trains_a_bfloat16_artifact(tmp_path, capsys):
+    import json
+
+    from gcomp.cli import main
+    art = tmp_path / "gcn16.gcomp"
+    assert main(["compile", "gcn", "--in", "1433", "--hidden", "16", "--out", "7", "--train",
+                 "--precision", "bf16", "-o", str(art)]) == 0
+    capsys.readouterr()
+    assert main(["info", str(art), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["precision"] == "bf16"
+    assert main(["train", str(art), "--graph", "cora", "--epochs", "30", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["train_acc"] > 0.9 and np.isfinite(res["final_loss"])
