@@ -492,6 +492,12 @@ def _role_flags(p) -> None:
     p.add_argument("--edge-weight-input", metavar="NAME", help="ONNX: the edge-weight input")
 
 
+def _precision_flag(p) -> None:
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                   help="bf16: store node-sized activations in bfloat16, compute in float32 "
+                        "(weights, optimizer state, inputs and outputs stay float32)")
+
+
 def _training_flags(p) -> None:
     p.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
     p.add_argument("--lr", type=float, default=0.01)
@@ -521,9 +527,7 @@ def _parser() -> argparse.ArgumentParser:
                         "kernel variants its statistics choose")
     c.add_argument("--train", action="store_true",
                    help="also compile a training step (forward, loss, backward, optimizer)")
-    c.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
-                   help="bf16: store node-sized activations in bfloat16, compute in float32 "
-                        "(weights, optimizer state, inputs and outputs stay float32)")
+    _precision_flag(c)
     _training_flags(c)
     _pass_flags(c)
     c.set_defaults(func=cmd_compile)
@@ -533,9 +537,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("-t", "--target", default="llvm", choices=["llvm", "cuda"])
     e.add_argument("--graph", default=None, help="also show the decisions for this graph")
     e.add_argument("--train", action="store_true", help="explain the training step")
-    e.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
-                   help="bf16: store node-sized activations in bfloat16, compute in float32 "
-                        "(weights, optimizer state, inputs and outputs stay float32)")
+    _precision_flag(e)
     e.add_argument("--json", action="store_true")
     _model_flags(e)
     _role_flags(e)
@@ -560,9 +562,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("-t", "--target", default="llvm", choices=["llvm", "cuda"],
                    help="when compiling MODEL here: cuda trains on the GPU (docs/cuda.md)")
     t.add_argument("--arch", default=None, help="cuda: GPU architecture (default sm_90)")
-    t.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
-                   help="bf16: store node-sized activations in bfloat16, compute in float32 "
-                        "(weights, optimizer state, inputs and outputs stay float32)")
+    _precision_flag(t)
     t.add_argument("--layers", type=int, default=2)
     t.add_argument("--hidden", type=int, default=16)
     t.add_argument("--heads", type=int, default=4, help="attention heads (gat)")

@@ -89,6 +89,12 @@ def _add_alignments(plans, specs: dict, tgt: dict) -> None:
                            for k in p.kernels()}
 
 
+def _used(specs: dict, plans) -> dict:
+    """The specs the plans' steps and variants still name."""
+    used = {k for p in plans if p is not None for k in p.kernels()}
+    return {k: v for k, v in specs.items() if k in used}
+
+
 def target_formats(tgt: dict) -> tuple:
     """The adjacency formats besides CSR with kernels for the target (the CPU's)."""
     return ("dense", "banded", "ell") if tgt["kind"] == "llvm" else ()
@@ -149,12 +155,10 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
         for p in (plan, train_plan):
             if p is not None:
                 specialize(p, graph)
-        used = {k for p in (plan, train_plan) if p is not None for k in p.kernels()}
-        specs = {k: v for k, v in specs.items() if k in used}
+        specs = _used(specs, [plan, train_plan])
     if precision == "bf16":
         store_bf16([plan, train_plan], specs, tgt)
-        used = {k for p in (plan, train_plan) if p is not None for k in p.kernels()}
-        specs = {k: v for k, v in specs.items() if k in used}
+        specs = _used(specs, [plan, train_plan])
     _add_alignments([plan, train_plan], specs, tgt)
     lib_path = build_library(specs, tgt)
     params = {p.name: model.params[p.name] for p in model.graph.params}

@@ -144,6 +144,15 @@ def _prefetch_rows(x, first, rows: int, width: int, n) -> None:
             _prefetch_line(x, row, q * VEC)
 
 
+def _row_sums(out, i, F: int):
+    """Where a row's sums of aggregated edges go, and its index map: a bfloat16 output is
+    summed in a float32 row and stored once; a float32 one in place, in row ``i`` of
+    ``out`` (a local row measured 7-9% slower, 32 and 128 features)."""
+    if stored_bf16("out"):
+        return T.alloc_buffer((F,), "float32", scope="local"), lambda f: [f]
+    return out, lambda f: [i, f]
+
+
 def _args(spec):
     return [arg(name, shape, dtype) for name, shape, dtype in spec]
 
@@ -174,10 +183,7 @@ def csr_agg(reduce: str, H: int, C: int, weight: str, indirect: bool = False,
             extra = [bufs[f"e{k}"] for k in range(len(extras))]
             init = tirx.const(NEG_INF if reduce == "max" else 0.0, f32)
             with _balanced_rows(indptr, n) as i:
-                # a bfloat16 output is summed in a float32 row and stored once; a float32
-                # one in place (a local row measured 7-9% slower, both widths)
-                acc, at = ((T.alloc_buffer((F,), f32, scope="local"), lambda f: [f])
-                           if stored_bf16("out") else (out, lambda f: [i, f]))
+                acc, at = _row_sums(out, i, F)
                 _features(F, lambda f: T.buffer_store(acc, init, at(f)))
                 with T.serial(indptr[i], indptr[i + 1]) as j:
                     IRBuilder.name("j", j)

@@ -39,8 +39,9 @@ from tvm.script.ir_builder import tirx as T
 
 from gcomp.codegen import epilogue as epi
 from gcomp.codegen.aggregate_kernel import _finish
-from gcomp.codegen.cpu_kernels import PREFETCH_DISTANCE, _features, _if, _prefetch
-from gcomp.codegen.kernels import arg, definer, stored_bf16
+from gcomp.codegen.cpu_kernels import (PREFETCH_DISTANCE, _features, _if, _prefetch,
+                                       _row_sums)
+from gcomp.codegen.kernels import arg, definer
 
 ROWS = 16  # destination rows per block of the dense layout (their outputs stay in L1)
 GROUP = 8  # the banded format's block size is a multiple of this
@@ -192,9 +193,7 @@ def _ell_agg(reduce: str, F: int, epilogue: tuple, extras: tuple):
                     with T.serial(0, p1 - p0) as r:
                         i = T.Bind(tirx.Cast(I64, perm[p0 + r]))
                         first = T.Bind(s0 + r * width)
-                        # a bfloat16 output is summed in a float32 row (as csr_agg)
-                        acc, at = ((T.alloc_buffer((F,), F32, scope="local"), lambda f: [f])
-                                   if stored_bf16("out") else (out, lambda f: [i, f]))
+                        acc, at = _row_sums(out, i, F)
                         _features(F, lambda f: T.buffer_store(acc, tirx.const(0.0, F32), at(f)))
 
                         def slot(t):
