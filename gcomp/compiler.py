@@ -15,7 +15,7 @@ from collections import Counter
 
 from gcomp.codegen.build import build_library, device_code_format, make_target
 from gcomp.codegen.calibrate import calibrate_formats, calibrate_sparse_threshold
-from gcomp.codegen.kernels import KernelSpec, define
+from gcomp.codegen.kernels import KernelSpec, define, has_amx
 from gcomp.codegen.lower import lower
 from gcomp.codegen.optimizer import OptimizerConfig, add_optimizer
 from gcomp.codegen.precision import PRECISIONS, store_bf16
@@ -25,6 +25,7 @@ from gcomp.ir.printer import print_graph
 from gcomp.model import Model
 from gcomp.passes import PassContext, default_pipeline, training_pipeline
 from gcomp.runtime.artifact import Artifact, new_manifest
+from gcomp.runtime.cpu_features import AMX_MATTR, host_has_amx
 
 
 def _set_thresholds(plans, tgt: dict, fixed: float | None) -> None:
@@ -126,6 +127,9 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
         # the CUDA kernels compile with bfloat16 arguments, but no GPU has run them yet
         raise CompileError("--precision bf16 is supported for -t llvm only so far")
     tgt = make_target(target, mcpu=mcpu, arch=arch)
+    if precision == "bf16" and mcpu is None and host_has_amx():
+        tgt["mattr"] = list(AMX_MATTR)  # LLVM may not know this CPU has them
+    cpu_features = ["amx"] if precision == "bf16" and has_amx(tgt) else []
     formats = target_formats(tgt) if formats is None else tuple(formats)
     unknown = set(formats) - set(target_formats(tgt))
     if unknown:
@@ -165,7 +169,8 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
     ops = dict(sorted(Counter(n.op.value for n in ir_graph).items()))
     manifest = new_manifest({"name": model.name, **model.config}, model.signature(), tgt, ops,
                             device_code_format=device_code_format(tgt),
-                            optimizer=opt.to_json() if opt else None, precision=precision)
+                            optimizer=opt.to_json() if opt else None, precision=precision,
+                            cpu_features=cpu_features)
     art = Artifact(manifest, plan, params, lib_path.read_bytes(), ir, train_plan)
     art.graphs = {"inference": ir_graph, "training": tgraph if train else None}  # not saved
     return art

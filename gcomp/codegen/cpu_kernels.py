@@ -34,7 +34,7 @@ from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
-from gcomp.codegen import epilogue as epi
+from gcomp.codegen import amx_kernels, epilogue as epi
 from gcomp.codegen.aggregate_kernel import (NEG_INF, _finish, attention_buffers,
                                             drop_factor, finish_attention_stats, leaky,
                                             slope_factor, times)
@@ -467,17 +467,21 @@ def _matmul_cols(M: int, tuning: str) -> int:
 
 @definer("matmul", target="llvm")
 def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = (),
-           tuning: str = "default"):
+           tuning: str = "default", amx: bool = False):
     """out[i, j] = epilogue(sum_k x[i, k] * w[k, j]), R rows at a time: each row of w
     loaded serves R rows of x, whose sums stay in registers (the row-at-a-time schedule
     loads a row of w per multiply-add).  Rows past n in the last group repeat row n - 1
     and are not stored.  The rows of the group ``PREFETCH_BYTES`` ahead are prefetched
     (128 -> 32 on arxiv-size x read from memory, Intel Xeon: 7.9 -> 6.4 ms; 40 -> 32 2.6
     -> 2.1).
-    None (the generic kernel, scheduled) where that is faster."""
+    None (the generic kernel, scheduled) where that is faster.  With x stored as bfloat16
+    on a CPU with AMX tiles: the tile kernel (``amx_kernels.py``), which names its
+    arguments as this one does (the precision pass asks for them by name)."""
     R = _matmul_rows(K, M, tuning)
     if R is None:
         return None
+    if amx and stored_bf16("x") and amx_kernels.supported(K, M):
+        return amx_kernels.matmul_amx(K, M, epilogue, extras)
     TM = _matmul_cols(M, tuning)
     f32 = "float32"
     with IRBuilder() as ib:

@@ -135,10 +135,20 @@ def cpu_tuning(target: dict | str) -> str:
         else "default"
 
 
+def has_amx(target: dict) -> bool:
+    """Whether ``target`` has Intel AMX tiles with bfloat16 products
+    (``gcomp/codegen/amx_kernels.py``)."""
+    import tvm
+    from tvm.target import codegen
+    return target["kind"] == "llvm" and all(
+        codegen.target_has_features(f, tvm.target.Target(target)) for f in ("amx-tile", "amx-bf16"))
+
+
 def target_definition(spec: KernelSpec, target: dict | str):
     """``target``'s own PrimFunc for ``spec`` (already scheduled), named ``spec.name``, or
     None: the kind has none for the target, or its definer declines these parameters.
-    A definer with a ``tuning`` parameter gets the target's ``cpu_tuning``."""
+    A definer with a ``tuning`` parameter gets the target's ``cpu_tuning``, one with an
+    ``amx`` parameter whether it ``has_amx``."""
     kind = target if isinstance(target, str) else target["kind"]
     fn = _DEFINERS.get((spec.kind, kind))
     if fn is None:
@@ -146,6 +156,8 @@ def target_definition(spec: KernelSpec, target: dict | str):
     params = spec.p
     if "tuning" in inspect.signature(fn).parameters:
         params["tuning"] = cpu_tuning(target)
+    if "amx" in inspect.signature(fn).parameters:
+        params["amx"] = has_amx(target)
     func = _call(fn, spec, params)
     return None if func is None else func.with_attr("global_symbol", spec.name)
 

@@ -30,6 +30,7 @@ import numpy as np
 
 from gcomp import __version__
 from gcomp.errors import ArtifactError
+from gcomp.runtime.cpu_features import enable_amx
 from gcomp.runtime.plan import PLAN_VERSION, Plan
 
 FORMAT = "gcomp-artifact"
@@ -88,6 +89,7 @@ class Artifact:
             "specialized": self.plan.specialized or None,
             "optimizer": m.get("optimizer"),
             "precision": m.get("precision", "fp32"),
+            "cpu_features": m.get("cpu_features", []),
             "kernels": self.kernels(),
             "num_kernels": len(self.kernels()),
             "ops": m.get("ops", {}),
@@ -129,6 +131,11 @@ class Artifact:
             import tvm
             if self.target.get("kind") == "cuda":
                 load_cuda_runtime()
+            if "amx" in self.manifest.get("cpu_features", []):
+                why = enable_amx()
+                if why is not None:
+                    raise ArtifactError(f"this artifact's products run on AMX tiles, and {why}; "
+                                        "compile it here (or with --precision fp32)")
             self._libdir = tempfile.TemporaryDirectory(prefix="gcomp-")
             lib_path = Path(self._libdir.name) / LIB_NAME
             lib_path.write_bytes(self.lib_bytes)
@@ -210,7 +217,7 @@ def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
 
 def new_manifest(model: dict, signature: dict, target: dict, ops: dict,
                  device_code_format: str | None = None, optimizer: dict | None = None,
-                 precision: str = "fp32") -> dict:
+                 precision: str = "fp32", cpu_features: list | None = None) -> dict:
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -224,6 +231,7 @@ def new_manifest(model: dict, signature: dict, target: dict, ops: dict,
         "ops": ops,
         "optimizer": optimizer,
         "precision": precision,
+        "cpu_features": list(cpu_features or []),  # beyond the target's: "amx" tiles
     }
 
 

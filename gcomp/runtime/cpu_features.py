@@ -1,0 +1,50 @@
+"""What this CPU and OS allow beyond the instructions a target names: AMX tiles.
+
+An artifact compiled with ``--precision bf16`` on a CPU with AMX-BF16 runs its dense
+products on tiles (``gcomp/codegen/amx_kernels.py``).  LLVM may not name such a CPU
+(under a hypervisor it reports an older model), so the compiler asks the kernel's CPU
+flags; and Linux hands a process the tiles' register state only when it asks for it
+(``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``), which ``enable_amx`` does
+before such a library runs.  Without the grant the first tile instruction kills the
+process, so loading refuses instead, with the reason.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+from functools import lru_cache
+
+AMX_FLAGS = ("amx_tile", "amx_bf16")   # /proc/cpuinfo names
+AMX_MATTR = ["+amx-tile", "+amx-bf16"]  # LLVM's
+_SYS_ARCH_PRCTL = 158                   # x86-64 Linux
+_ARCH_REQ_XCOMP_PERM = 0x1023
+_XFEATURE_XTILEDATA = 18
+
+
+@lru_cache(maxsize=1)
+def host_flags() -> frozenset:
+    """The CPU flags Linux reports (empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def host_has_amx() -> bool:
+    return platform.machine() == "x86_64" and all(f in host_flags() for f in AMX_FLAGS)
+
+
+@lru_cache(maxsize=1)
+def enable_amx() -> str | None:
+    """Ask Linux for the AMX tile state of this process; None when granted, else why not."""
+    if not host_has_amx():
+        return "this CPU has no AMX-BF16 tiles (/proc/cpuinfo flags amx_tile, amx_bf16)"
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) != 0:
+        return f"Linux refused the AMX tile state (arch_prctl errno {ctypes.get_errno()})"
+    return None

@@ -1,0 +1,107 @@
+"""The AMX tile products of ``--precision bf16`` (``gcomp/codegen/amx_kernels.py``), against
+float64 products of the same bfloat16-rounded operands.  Skipped on CPUs without AMX-BF16
+(the refusal to load such an artifact there is tested everywhere)."""
+
+import numpy as np
+import pytest
+import tvm
+import tvm_ffi
+
+from gcomp import models
+from gcomp.codegen import amx_kernels
+from gcomp.codegen.build import make_target
+from gcomp.codegen.kernels import KernelSpec, define
+from gcomp.compiler import compile_model
+from gcomp.errors import ArtifactError
+from gcomp.runtime import artifact as artifact_mod
+from gcomp.runtime.cpu_features import AMX_MATTR, enable_amx, host_has_amx
+from gcomp.runtime.synthetic import synthetic_graph
+from gcomp.runtime.trainer import Trainer
+
+amx = pytest.mark.skipif(not host_has_amx() or enable_amx() is not None,
+                         reason="no AMX-BF16 tiles on this CPU / OS")
+
+
+def _bf16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits, rounded to nearest even (as TVM's stores round)."""
+    u = np.ascontiguousarray(a, np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _widen(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def _amx_target() -> dict:
+    return {**make_target("llvm"), "mattr": list(AMX_MATTR)}
+
+
+@amx
+@pytest.mark.parametrize("K,M,n", [(32, 32, 1000), (128, 32, 333), (40, 32, 517),
+                                   (32, 40, 250), (64, 64, 77), (32, 32, 9)])
+def test_tile_product_matches_float64(K, M, n):
+    """Full groups of 16 rows and the last rows; k ranges of 32 and a rest (K = 40);
+    output columns padded to a tile (M = 40); fewer rows than a group (n = 9).  The
+    epilogue (bias, a residual row, relu) runs on the float32 sums."""
+    epilogue = (("bias_add", (), 0, False), ("add", (), 1, False), ("relu", (), None, False))
+    spec = KernelSpec.make("matmul", K=K, M=M, epilogue=epilogue, extras=("vec", "row"),
+                           bf16=("x",))
+    func = define(spec, _amx_target())
+    assert "tdpbf16ps" in func.script()
+    fn = tvm.compile(tvm.IRModule({spec.name: func}), target=tvm.target.Target(_amx_target()))
+    rng = np.random.default_rng(K + M + n)
+    x = rng.standard_normal((n, K)).astype(np.float32)
+    w = rng.standard_normal((K, M)).astype(np.float32)
+    b = rng.standard_normal(M).astype(np.float32)
+    res = rng.standard_normal((n, M)).astype(np.float32)
+    xb = _bf16_bits(x)
+    out = tvm.runtime.tensor(np.full((n, M), np.nan, np.float32), tvm.cpu())
+    fn[spec.name](tvm_ffi.from_dlpack(xb)._create_view((n, K), "bfloat16"),
+                  tvm.runtime.tensor(w), tvm.runtime.tensor(b), tvm.runtime.tensor(res), out)
+    ref = np.maximum(_widen(xb) @ _widen(_bf16_bits(w)) + b + res, 0)
+    got = out.numpy()
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_tile_shapes_within_the_hardware():
+    assert amx_kernels.supported(32, 32) and amx_kernels.supported(40, 64)
+    assert not amx_kernels.supported(33, 32)   # k pairs
+    assert amx_kernels.supported(32, 80)       # 5 sums tiles, an x and a weight tile
+    assert not amx_kernels.supported(32, 112)  # 7 sums tiles + 2 > 8
+    assert not amx_kernels.supported(40, 80)   # 5 + two k range shapes x 2 > 8
+    assert amx_kernels.k_ranges(72) == [(0, 32), (32, 32), (64, 8)]
+
+
+@amx
+def test_bf16_training_on_tiles_matches_float32(monkeypatch):
+    """Hidden width 32: the products run on tiles; a training step's loss and weight
+    gradients stay within bfloat16 rounding of the float32 artifact's."""
+    g = synthetic_graph(700, 5000, 32, 4, seed=3)
+    m = models.build("gin", 32, hidden=32, out_channels=4, layers=2)
+    tiles = []
+    define_tiles = amx_kernels.matmul_amx
+    monkeypatch.setattr(amx_kernels, "matmul_amx",
+                        lambda *a: tiles.append(a) or define_tiles(*a))
+    arts = {p: compile_model(m, train=True, precision=p) for p in ("fp32", "bf16")}
+    assert tiles and {(K, M) for K, M, *_ in tiles} >= {(32, 32)}
+    assert arts["bf16"].manifest["cpu_features"] == ["amx"]
+    assert arts["fp32"].manifest["cpu_features"] == []
+    tr = {p: Trainer(a, g) for p, a in arts.items()}
+    loss = {p: t.step() for p, t in tr.items()}
+    assert abs(loss["bf16"] - loss["fp32"]) < 2e-2 * abs(loss["fp32"])
+    g32, g16 = tr["fp32"].gradients(), tr["bf16"].gradients()
+    for k in g32:
+        err = np.abs(g16[k] - g32[k]).max() / (np.abs(g32[k]).max() + 1e-12)
+        assert err < 5e-2, (k, err)
+
+
+def test_loading_refuses_tiles_the_os_does_not_grant(tmp_path, monkeypatch):
+    """An artifact whose products run on tiles, loaded where Linux does not grant them (or
+    the CPU has none), is refused with the reason, before any kernel runs."""
+    m = models.build("gcn", 8, hidden=8, out_channels=2, layers=2)
+    art = compile_model(m)
+    art.manifest["cpu_features"] = ["amx"]
+    monkeypatch.setattr(artifact_mod, "enable_amx", lambda: "this CPU has no AMX-BF16 tiles")
+    with pytest.raises(ArtifactError, match="AMX tiles, and this CPU has no AMX-BF16"):
+        art.library()
