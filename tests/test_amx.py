@@ -64,6 +64,32 @@ def test_tile_product_matches_float64(K, M, n):
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
+@amx
+@pytest.mark.parametrize("K,M,n,stored", [(128, 32, 1000, ("x",)), (64, 40, 517, ("x",)),
+                                          (128, 32, 77, ("x", "y")), (72, 32, 300, ("y",)),
+                                          (96, 32, 5, ("x",))])
+def test_tile_weight_gradient_matches_float64(K, M, n, stored):
+    """x.T @ y over rows in 16 ranges (ranges of a few rows, and of none, at n = 5; rows
+    packed 128 at a time, the last pack partial); an operand stored as float32 is rounded
+    to bfloat16 as it is packed; K and M padded to tiles (72, 40)."""
+    spec = KernelSpec.make("matmul_tn", K=K, M=M, bf16=stored)
+    func = define(spec, _amx_target())
+    assert "tdpbf16ps" in func.script()
+    fn = tvm.compile(tvm.IRModule({spec.name: func}), target=tvm.target.Target(_amx_target()))
+    rng = np.random.default_rng(K * M + n)
+    x = rng.standard_normal((n, K)).astype(np.float32)
+    y = rng.standard_normal((n, M)).astype(np.float32)
+
+    def operand(a, name):
+        if name in stored:
+            return tvm_ffi.from_dlpack(_bf16_bits(a))._create_view(a.shape, "bfloat16")
+        return tvm.runtime.tensor(a)
+    out = tvm.runtime.tensor(np.full((K, M), np.nan, np.float32), tvm.cpu())
+    fn[spec.name](operand(x, "x"), operand(y, "y"), out)
+    ref = _widen(_bf16_bits(x)).T @ _widen(_bf16_bits(y))
+    np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
 def test_tile_shapes_within_the_hardware():
     assert amx_kernels.supported(32, 32) and amx_kernels.supported(40, 64)
     assert not amx_kernels.supported(33, 32)   # k pairs
@@ -71,6 +97,10 @@ def test_tile_shapes_within_the_hardware():
     assert not amx_kernels.supported(32, 112)  # 7 sums tiles + 2 > 8
     assert not amx_kernels.supported(40, 80)   # 5 + two k range shapes x 2 > 8
     assert amx_kernels.k_ranges(72) == [(0, 32), (32, 32), (64, 8)]
+    assert amx_kernels.tn_shape(128, 32) == (32, 128, 32)  # 4 sums tiles, 2 y.T, 1 x
+    assert amx_kernels.tn_shape(64, 40) == (48, 64, 16)
+    assert amx_kernels.tn_shape(128, 64) is None          # 4 y.T tiles leave too few
+    assert amx_kernels.tn_shape(32, 32) is None           # packing outweighs the product
 
 
 @amx

@@ -31,7 +31,7 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
 from gcomp.codegen import epilogue as epi
-from gcomp.codegen.kernels import arg
+from gcomp.codegen.kernels import arg, stored_bf16
 
 ROWS = 16      # rows of an x tile and of a sums tile
 COLS = 16      # float32 columns of a sums tile
@@ -63,7 +63,9 @@ def _tile(t: int):
 
 
 def matmul_amx(K: int, M: int, epilogue: tuple, extras: tuple):
-    """out = epilogue(x @ w) with x stored as bfloat16 (see the module docstring)."""
+    """out = epilogue(x @ w) with x stored as bfloat16 (see the module docstring).  (A
+    float32 x rounded into a tile 16 rows at a time took as long as the float32 kernel,
+    7.2 ms for 128 -> 32 on arxiv-size rows: the rounding, not the product, bounds it.)"""
     f32, u16 = "float32", "uint16"
     MT = -(-M // COLS)          # sums tiles
     MP = MT * COLS              # padded columns of the packed weight and the sums block
@@ -158,3 +160,134 @@ def _store_row(out, extra, extras, epilogue, i, M: int, value) -> None:
     with T.vectorized(0, M) as j:
         res = epi.apply(epilogue, value(j), lambda e: extra[e][epi.index(extras[e], i, j)])
         T.buffer_store(out, res, [i, j])
+
+
+# ---------------------------------------------------------------- weight gradients
+SUPER = 128    # rows packed at a time by the weight-gradient kernel
+
+
+def tn_shape(K: int, M: int) -> tuple[int, int, int] | None:
+    """(padded M, padded K, k columns per pass) of the weight-gradient kernel, or None
+    where its tiles do not fit or it is slower: out.T = y.T @ x is computed, y.T in M / 16
+    row tiles and the sums of KC columns in (M / 16) x (KC / 16) tiles, with one x tile:
+    at most 8.  Packing the rows costs about as much whatever K is, so short x rows stay
+    with the float32 kernel (arxiv-size rows, Intel Xeon, 2 threads, from memory: 128 x 32
+    both bfloat16 7.5 -> 3.7 ms, x float32 8.6 -> 6.6; 32 x 32 1.7 -> 2.4, 32 x 40 with y
+    float32 3.6 -> 4.0)."""
+    if K < 64:
+        return None
+    MP, KP = -(-M // COLS) * COLS, -(-K // COLS) * COLS
+    rows = MP // COLS
+    for KC in (64, 48, 32, 16):
+        if KP % KC == 0 and rows + 1 + rows * (KC // COLS) <= MAX_TILES:
+            return MP, KP, KC
+    return None
+
+
+def _bits(buf, raw, i, j, valid):
+    """The bfloat16 bits of buf[i, j] as uint32 (0 where ``valid`` fails): read from
+    ``raw`` (buf's data as uint16) where buf is stored as bfloat16, else the float32 value
+    rounded to nearest even."""
+    u32 = "uint32"
+    if raw is not None:
+        v = tirx.Cast(u32, raw[i, j])
+    else:
+        u = tirx.reinterpret(u32, buf[i, j])
+        v = (u + tirx.const(0x7FFF, u32) + ((u >> tirx.const(16, u32)) & tirx.const(1, u32))) \
+            >> tirx.const(16, u32)
+    return tirx.if_then_else(valid, v, tirx.const(0, u32))
+
+
+def _pair(buf, raw, i, j, hi, n, width: int):
+    """Rows i and i + 1 of buf at column j as one uint32 of two bfloat16 (row i low), zero
+    past row ``hi`` or column ``width``; reads clamp to the last row and column."""
+    u32 = "uint32"
+    col = tirx.min(j, width - 1)
+    lo_ = _bits(buf, raw, tirx.min(i, n - 1), col, (i < hi) & (j < width))
+    hi_ = _bits(buf, raw, tirx.min(i + 1, n - 1), col, (i + 1 < hi) & (j < width))
+    return lo_ | (hi_ << tirx.const(16, u32))
+
+
+def matmul_tn_amx(K: int, M: int, chunks: int):
+    """out = x.T @ y (x: [n, K], y: [n, M]; either stored as bfloat16 or rounded to it) on
+    tiles.  The reduction runs over rows, which the tile instruction wants paired along its
+    rows: per ``SUPER`` rows of its range, a thread packs y.T (pairs of rows of y, each
+    column a row of the packed block) and x (pairs of rows interleaved), zeros past the
+    range; then for each KC columns of the result it loads that part of its partial sum
+    (out.T, in tiles), adds the packed rows 32 at a time and stores it back.  The ranges'
+    partial sums are added up at the end, transposed (deterministic)."""
+    f32, u32 = "float32", "uint32"
+    MP, KP, KC = tn_shape(K, M)
+    NA, NK = MP // COLS, KC // COLS    # y.T row tiles; sums tiles per row tile
+    b_tile = NA + NA * NK             # tiles: sums 0 .. NA*NK-1, y.T, then x
+    P, Q = chunks, SUPER // 2
+    with IRBuilder() as ib:
+        with T.prim_func():
+            T.func_name("matmul_tn")
+            T.func_attr({"tirx.noalias": True})
+            n = tirx.Var("n", "int64")
+            x = arg("x", (n, K), f32)
+            y = arg("y", (n, M), f32)
+            out = arg("out", (K, M), f32)
+            xr, yr = (T.decl_buffer(b.shape, "uint16", data=b.data) if stored_bf16(name)
+                      else None for b, name in ((x, "x"), (y, "y")))
+            part = T.alloc_buffer((P, MP, KP), f32)
+            ypk = T.alloc_buffer((P, MP, Q), u32)   # y.T, pairs of rows
+            xpk = T.alloc_buffer((P, Q, KP), u32)   # x, pairs of rows
+            with T.parallel(0, P) as p:
+                i64 = "int64"
+                lo = T.Bind(n * tirx.Cast(i64, p) // tirx.const(P, i64))
+                hi = T.Bind(n * tirx.Cast(i64, p + 1) // tirx.const(P, i64))
+                cfg = T.alloc_buffer((64,), "uint8", scope="local")
+                with T.serial(0, 64) as b:
+                    T.buffer_store(cfg, tirx.const(0, "uint8"), [b])
+                T.buffer_store(cfg, tirx.const(1, "uint8"), [0])
+                for t in range(b_tile + 1):
+                    T.buffer_store(cfg, tirx.const(4 * COLS, "uint8"), [16 + 2 * t])
+                    T.buffer_store(cfg, tirx.const(ROWS, "uint8"), [48 + t])
+                _intrin("llvm.x86.ldtilecfg", cfg.access_ptr("r"))
+                with T.grid(MP, KP) as (a, b):
+                    T.buffer_store(part, tirx.const(0.0, f32), [p, a, b])
+                with T.serial(0, (hi - lo + SUPER - 1) // SUPER) as sb:
+                    r0 = lo + sb * SUPER
+                    with T.serial(0, Q) as q:
+                        i = r0 + 2 * q
+                        with T.serial(0, MP) as m:
+                            T.buffer_store(ypk, _pair(y, yr, i, m, hi, n, M), [p, m, q])
+                        with T.vectorized(0, KP) as k:
+                            T.buffer_store(xpk, _pair(x, xr, i, k, hi, n, K), [p, q, k])
+                    with T.serial(0, KP // KC) as kc:
+                        for a in range(NA):
+                            for c in range(NK):
+                                _intrin("llvm.x86.tileloadd64", _tile(a * NK + c),
+                                        part.access_ptr("r", offset=(p * MP + a * COLS) * KP
+                                                        + kc * KC + c * COLS),
+                                        tirx.const(4 * KP, "int64"))
+                        for sub in range(SUPER // 32):
+                            for a in range(NA):
+                                _intrin("llvm.x86.tileloadd64", _tile(NA * NK + a),
+                                        ypk.access_ptr("r", offset=(p * MP + a * COLS) * Q
+                                                       + sub * ROWS),
+                                        tirx.const(4 * Q, "int64"))
+                            for c in range(NK):
+                                _intrin("llvm.x86.tileloadd64", _tile(b_tile),
+                                        xpk.access_ptr("r", offset=(p * Q + sub * ROWS) * KP
+                                                       + kc * KC + c * COLS),
+                                        tirx.const(4 * KP, "int64"))
+                                for a in range(NA):
+                                    _intrin("llvm.x86.tdpbf16ps", _tile(a * NK + c),
+                                            _tile(NA * NK + a), _tile(b_tile))
+                        for a in range(NA):
+                            for c in range(NK):
+                                _intrin("llvm.x86.tilestored64", _tile(a * NK + c),
+                                        part.access_ptr("w", offset=(p * MP + a * COLS) * KP
+                                                        + kc * KC + c * COLS),
+                                        tirx.const(4 * KP, "int64"))
+                _intrin("llvm.x86.tilerelease")
+            with T.parallel(0, K) as k:
+                with T.vectorized(0, M) as m:
+                    T.buffer_store(out, part[0, m, k], [k, m])
+                with T.serial(1, P) as q:
+                    with T.vectorized(0, M) as m:
+                        T.buffer_store(out, out[k, m] + part[q, m, k], [k, m])
+    return ib.get()

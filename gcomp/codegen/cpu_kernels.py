@@ -532,7 +532,7 @@ def _matmul_tn_tile(K: int, M: int) -> tuple[int, int] | None:
 
 
 @definer("matmul_tn", target="llvm")
-def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = 16):
+def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = 16, amx: bool = False):
     """out = x.T @ y (x: [n, K], y: [n, M]), weight gradients: ``chunks`` row ranges in
     parallel, each into its own partial [K, M] sum, added up at the end (deterministic).
     A range is walked in blocks of ``TN_BLOCK`` rows (``TN_BLOCK_LONG`` for long x rows);
@@ -540,12 +540,15 @@ def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = 16):
     in registers, so the block (in L1) is read from memory once, not once per tile: the
     scheduled generic kernel swept each range's rows once per tile (128 x 32 on
     arxiv-synth: 14.6 ms).  The next block's rows are prefetched while one is added (128 x
-    32 from memory on the Intel machine: 11.4 -> 7.6 ms; 32 x 40 2.8 -> 2.5)."""
+    32 from memory on the Intel machine: 11.4 -> 7.6 ms; 32 x 40 2.8 -> 2.5).  With x or y
+    stored as bfloat16 on a CPU with AMX tiles: the tile kernel (``amx_kernels.py``)."""
     if gpu:
         return None
     tile = _matmul_tn_tile(K, M)
     if tile is None:
         return None
+    if amx and (stored_bf16("x") or stored_bf16("y")) and amx_kernels.tn_shape(K, M):
+        return amx_kernels.matmul_tn_amx(K, M, chunks)
     TA, TB = tile
     f32, i64 = "float32", "int64"
     P = chunks
