@@ -38,10 +38,12 @@ def _amx_target() -> dict:
 
 @amx
 @pytest.mark.parametrize("K,M,n", [(32, 32, 1000), (128, 32, 333), (40, 32, 517),
-                                   (32, 40, 250), (64, 64, 77), (32, 32, 9)])
+                                   (32, 40, 250), (64, 64, 77), (32, 32, 9), (128, 384, 100),
+                                   (40, 128, 40)])
 def test_tile_product_matches_float64(K, M, n):
     """Full groups of 16 rows and the last rows; k ranges of 32 and a rest (K = 40);
-    output columns padded to a tile (M = 40); fewer rows than a group (n = 9).  The
+    output columns padded to a tile (M = 40); fewer rows than a group (n = 9); column
+    blocks (384 columns in 4 blocks of 6 tiles; 128 with two k range shapes in 2 of 4).  The
     epilogue (bias, a residual row, relu) runs on the float32 sums."""
     epilogue = (("bias_add", (), 0, False), ("add", (), 1, False), ("relu", (), None, False))
     spec = KernelSpec.make("matmul", K=K, M=M, epilogue=epilogue, extras=("vec", "row"),
@@ -91,11 +93,11 @@ def test_tile_weight_gradient_matches_float64(K, M, n, stored):
 
 
 def test_tile_shapes_within_the_hardware():
-    assert amx_kernels.supported(32, 32) and amx_kernels.supported(40, 64)
+    assert amx_kernels.supported(32, 32) and amx_kernels.supported(40, 384)
     assert not amx_kernels.supported(33, 32)   # k pairs
-    assert amx_kernels.supported(32, 80)       # 5 sums tiles, an x and a weight tile
-    assert not amx_kernels.supported(32, 112)  # 7 sums tiles + 2 > 8
-    assert not amx_kernels.supported(40, 80)   # 5 + two k range shapes x 2 > 8
+    assert amx_kernels._column_blocks(32, 80) == [(0, 5)]   # 5 sums tiles, x and weight
+    assert amx_kernels._column_blocks(32, 112) == [(0, 6), (6, 1)]
+    assert amx_kernels._column_blocks(40, 80) == [(0, 4), (4, 1)]  # two k range shapes
     assert amx_kernels.k_ranges(72) == [(0, 32), (32, 32), (64, 8)]
     assert amx_kernels.tn_shape(128, 32) == (32, 128, 32)  # 4 sums tiles, 2 y.T, 1 x
     assert amx_kernels.tn_shape(64, 40) == (48, 64, 16)

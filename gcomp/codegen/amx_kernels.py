@@ -13,13 +13,16 @@ stay float32, and the epilogue runs on the float32 sums.  The kernel:
 * per range of rows (``CHUNKS`` in parallel): configures the tiles (``ldtilecfg``), and
   packs the float32 weight into bfloat16 pairs along k (the layout the instruction reads:
   ``wp[k // 2, 2 j + k % 2] = w[k, j]``, columns padded to a multiple of 16 with zeros);
-* per group of 16 rows: for each k range of up to 32, loads the rows' x tile and, for
-  each 16 columns, the weight tile, multiplied into that column tile's sums; stores the
-  sums to a local [16, M] block, then applies the epilogue row by row;
+* per group of 16 rows and block of columns: for each k range of up to 32, loads the
+  rows' x tile and, for each 16 columns, the weight tile, multiplied into that column
+  tile's sums; stores the sums to a local [16, M] block, then applies the epilogue row by
+  row;
 * rows past the last full group (fewer than 16) are multiplied in vector registers.
 
-Tiles: one per 16 output columns (sums, at most 4), one x and one weight tile per k range
-shape (32, and the rest when 32 does not divide K): at most 8, the hardware's count.
+Tiles: one x and one weight tile per k range shape (32, and the rest when 32 does not
+divide K), and the rest of the hardware's eight for sums, 16 output columns each: wider
+outputs are multiplied in column blocks of that many tiles, the group's x tiles loaded
+again (from L1) per block.
 Linux grants the tile state per process on request (``runtime/cpu_features.py``), which
 the artifact does when it loads a library built with AMX.
 """
@@ -46,12 +49,16 @@ def k_ranges(K: int) -> list[tuple[int, int]]:
 
 
 def supported(K: int, M: int) -> bool:
-    """Whether the tiles hold a K -> M product: K even (values pair up along k) and the
-    sums, x and weight tiles within the hardware's eight."""
-    if K % 2 or K < 2:
-        return False
-    shapes = len({w for _, w in k_ranges(K)})
-    return -(-M // COLS) + 2 * shapes <= MAX_TILES
+    """Whether the tiles hold a K -> M product: K even (values pair up along k)."""
+    return K >= 2 and K % 2 == 0 and M >= 1
+
+
+def _column_blocks(K: int, M: int) -> list[tuple[int, int]]:
+    """(first sums tile, tiles) of the column blocks a group of rows is multiplied in:
+    the tiles an x and a weight tile per k range shape leave for sums (at most 8 in all)."""
+    MT = -(-M // COLS)
+    per = min(MT, MAX_TILES - 2 * len({w for _, w in k_ranges(K)}))
+    return [(b, min(per, MT - b)) for b in range(0, MT, per)]
 
 
 def _intrin(name: str, *args) -> None:
@@ -71,8 +78,10 @@ def matmul_amx(K: int, M: int, epilogue: tuple, extras: tuple):
     MP = MT * COLS              # padded columns of the packed weight and the sums block
     ranges = k_ranges(K)
     widths = sorted({w for _, w in ranges}, reverse=True)
-    x_tile = {w: MT + 2 * s for s, w in enumerate(widths)}   # tile numbers per k width
-    w_tile = {w: MT + 2 * s + 1 for s, w in enumerate(widths)}
+    blocks = _column_blocks(K, M)
+    CB = blocks[0][1]           # sums tiles, numbered from 0
+    x_tile = {w: CB + 2 * s for s, w in enumerate(widths)}   # tile numbers per k width
+    w_tile = {w: CB + 2 * s + 1 for s, w in enumerate(widths)}
     with IRBuilder() as ib:
         with T.prim_func():
             T.func_name("matmul")
@@ -97,27 +106,30 @@ def matmul_amx(K: int, M: int, epilogue: tuple, extras: tuple):
                             T.buffer_store(wp, tirx.Cast("bfloat16", tirx.if_then_else(
                                 j < M, w[2 * kk + s, tirx.min(j, M - 1)],
                                 tirx.const(0.0, f32))), [kk, 2 * j + s])
-                _configure(cfg, MT, x_tile, w_tile)
+                _configure(cfg, CB, x_tile, w_tile)
                 _intrin("llvm.x86.ldtilecfg", cfg.access_ptr("r"))
                 lo = T.Bind(groups * tirx.Cast("int64", p) // CHUNKS)
                 hi = T.Bind(groups * tirx.Cast("int64", p + 1) // CHUNKS)
                 with T.serial(0, hi - lo) as gi:
                     row0 = (lo + gi) * ROWS
-                    for t in range(MT):
-                        _intrin("llvm.x86.tilezero", _tile(t))
-                    for k0, kw in ranges:
-                        _intrin("llvm.x86.tileloadd64", _tile(x_tile[kw]),
-                                xb.access_ptr("r", offset=row0 * K + k0),
-                                tirx.const(2 * K, "int64"))
-                        for t in range(MT):
-                            _intrin("llvm.x86.tileloadd64", _tile(w_tile[kw]),
-                                    wpb.access_ptr("r", offset=(k0 // 2) * 2 * MP + 2 * COLS * t),
+                    for b0, nb in blocks:  # the x tiles are reloaded from L1 per block
+                        for t in range(nb):
+                            _intrin("llvm.x86.tilezero", _tile(t))
+                        for k0, kw in ranges:
+                            _intrin("llvm.x86.tileloadd64", _tile(x_tile[kw]),
+                                    xb.access_ptr("r", offset=row0 * K + k0),
+                                    tirx.const(2 * K, "int64"))
+                            for t in range(nb):
+                                _intrin("llvm.x86.tileloadd64", _tile(w_tile[kw]),
+                                        wpb.access_ptr("r", offset=(k0 // 2) * 2 * MP
+                                                       + 2 * COLS * (b0 + t)),
+                                        tirx.const(4 * MP, "int64"))
+                                _intrin("llvm.x86.tdpbf16ps", _tile(t), _tile(x_tile[kw]),
+                                        _tile(w_tile[kw]))
+                        for t in range(nb):
+                            _intrin("llvm.x86.tilestored64", _tile(t),
+                                    sums.access_ptr("w", offset=COLS * (b0 + t)),
                                     tirx.const(4 * MP, "int64"))
-                            _intrin("llvm.x86.tdpbf16ps", _tile(t), _tile(x_tile[kw]),
-                                    _tile(w_tile[kw]))
-                    for t in range(MT):
-                        _intrin("llvm.x86.tilestored64", _tile(t),
-                                sums.access_ptr("w", offset=COLS * t), tirx.const(4 * MP, "int64"))
                     with T.serial(0, ROWS) as r:
                         _store_row(out, extra, extras, epilogue, row0 + r, M,
                                    lambda j, r=r: sums[r, j])
