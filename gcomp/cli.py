@@ -445,7 +445,8 @@ def cmd_info(args) -> int:
           f"format {info['format_version']}")
     print(f"precision  {info['precision']}"
           + (" (node-sized activations stored as bfloat16)" if info["precision"] == "bf16"
-             else ""))
+             else "")
+          + ("; products on AMX tiles" if "amx" in info["cpu_features"] else ""))
     for io_ in ("inputs", "outputs"):
         for s in info["signature"][io_]:
             print(f"{io_[:-1]:<10} {s['name']}: {s['type']} ({s['role']})")

@@ -137,3 +137,27 @@ def test_loading_refuses_tiles_the_os_does_not_grant(tmp_path, monkeypatch):
     monkeypatch.setattr(artifact_mod, "enable_amx", lambda: "this CPU has no AMX-BF16 tiles")
     with pytest.raises(ArtifactError, match="AMX tiles, and this CPU has no AMX-BF16"):
         art.library()
+
+
+@amx
+def test_info_reports_the_tiles(tmp_path, capsys):
+    """`gcomp compile --precision bf16` on this CPU: `gcomp info` names the tiles; the
+    saved artifact, loaded afresh, runs them within bfloat16 rounding of float32's."""
+    import json
+
+    from gcomp.cli import main
+    from gcomp.runtime.artifact import load
+    path = tmp_path / "gin16.gcomp"
+    assert main(["compile", "gin", "--in", "64", "--hidden", "32", "--out", "4", "--layers",
+                 "2", "--precision", "bf16", "-o", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["info", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cpu_features"] == ["amx"]
+    assert main(["info", str(path)]) == 0
+    assert "products on AMX tiles" in capsys.readouterr().out
+    assert main(["compile", "gin", "--in", "64", "--hidden", "32", "--out", "4", "--layers",
+                 "2", "-o", str(tmp_path / "gin.gcomp")]) == 0
+    g = synthetic_graph(300, 2000, 64, 4, seed=1)
+    got = load(path).run(g)[0]
+    want = load(tmp_path / "gin.gcomp").run(g)[0]
+    assert np.abs(got - want).max() < 3e-2 * np.abs(want).max()
