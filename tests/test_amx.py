@@ -161,3 +161,49 @@ def test_info_reports_the_tiles(tmp_path, capsys):
     got = load(path).run(g)[0]
     want = load(tmp_path / "gin.gcomp").run(g)[0]
     assert np.abs(got - want).max() < 3e-2 * np.abs(want).max()
+
+
+@amx
+def test_features_rounded_once_per_feed_for_the_tile_products():
+    """The first layer's products read a bfloat16 copy of the features that a feed step
+    makes (the tiles cannot round float32 rows as fast as they multiply them): x itself
+    is read by that step alone, features fed again are rounded again, and with sparse
+    features the sparse-feature kernels run instead and the copy is not made."""
+    from gcomp.runtime.executor import Executor
+    m = models.build("gin", 128, hidden=32, out_channels=4, layers=2)
+    fp32 = compile_model(m, train=True)
+    art = compile_model(m, train=True, precision="bf16", sparse_threshold=0.9)
+    plan = art.train_plan
+    rounding = [s for s in plan.feed_steps if s["op"] == "round_rows"]
+    assert [s["args"] for s in rounding] == [[{"buf": "x"}, {"buf": "x.bf16"}]]
+    assert plan.buffers["x.bf16"]["dtype"] == "bfloat16"
+    readers = [s for s in plan.steps if any(a.get("buf") == "x.bf16" for a in s["args"])]
+    assert {s["op"] for s in readers} == {"matmul"} and len(readers) == 2  # x @ W, x.T @ dY
+    assert not any(a.get("buf") == "x" for s in plan.steps for a in s["args"])
+    g = synthetic_graph(500, 4000, 128, 4, seed=2)
+    rng = np.random.default_rng(0)
+    feeds = (g.dense_x(), rng.standard_normal((500, 128)).astype(np.float32))
+    outs = {}
+    for name, a in (("fp32", fp32), ("bf16", art)):
+        ex = Executor(a.plan, a.library(), a.params)
+        b = ex.bind(g)
+        for k, x in enumerate(feeds):
+            b = ex.feed(b, {"x": x})
+            ex.execute(b)
+            outs[name, k] = ex.outputs(b)[0]
+    for k in range(2):
+        want = outs["fp32", k]
+        assert np.abs(outs["bf16", k] - want).max() < 3e-2 * np.abs(want).max()
+    assert np.abs(outs["bf16", 0] - outs["bf16", 1]).max() > 0.1 * np.abs(outs["fp32", 1]).max()
+    sparse = synthetic_graph(500, 4000, 128, 4, seed=2)
+    xs = sparse.dense_x()
+    xs[rng.random(xs.shape) < 0.97] = 0
+    ex = Executor(art.plan, art.library(), art.params)
+    b = ex.feed(ex.bind(sparse, {"x": xs}), {"x": xs})
+    assert "round_rows" not in {s["op"] for s, _, _ in b.feed_steps}
+    ex.execute(b)
+    ref = Executor(fp32.plan, fp32.library(), fp32.params)
+    rb = ref.feed(ref.bind(sparse, {"x": xs}), {"x": xs})
+    ref.execute(rb)
+    want = ref.outputs(rb)[0]
+    assert np.abs(ex.outputs(b)[0] - want).max() < 3e-2 * np.abs(want).max()

@@ -34,7 +34,7 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
 from gcomp.codegen import epilogue as epi
-from gcomp.codegen.kernels import arg, stored_bf16
+from gcomp.codegen.kernels import arg, definer, stored_bf16
 
 ROWS = 16      # rows of an x tile and of a sums tile
 COLS = 16      # float32 columns of a sums tile
@@ -302,4 +302,26 @@ def matmul_tn_amx(K: int, M: int, chunks: int):
                 with T.serial(1, P) as q:
                     with T.vectorized(0, M) as m:
                         T.buffer_store(out, out[k, m] + part[q, m, k], [k, m])
+    return ib.get()
+
+
+@definer("round_rows", target="llvm")
+def round_rows(F: int):
+    """out = x, stored as its spec says (bfloat16: rounded once): the node features'
+    bfloat16 copy that the tile products read, made when features are fed
+    (``precision._round_features``).  Rows in parallel; any 4-byte alignment of x, so
+    the caller's array is read where it is."""
+    with IRBuilder() as ib:
+        with T.prim_func():
+            T.func_name("round_rows")
+            T.func_attr({"tirx.noalias": True})
+            n = tirx.Var("n", "int64")
+            x = arg("x", (n, F), "float32")
+            out = arg("out", (n, F), "float32")
+            with T.parallel(0, CHUNKS) as p:
+                lo = T.Bind(n * tirx.Cast("int64", p) // CHUNKS)
+                hi = T.Bind(n * tirx.Cast("int64", p + 1) // CHUNKS)
+                with T.serial(0, hi - lo) as r:
+                    with T.vectorized(0, F) as f:
+                        T.buffer_store(out, x[lo + r, f], [lo + r, f])
     return ib.get()

@@ -16,13 +16,15 @@ kernel specs.  Guarantees, for ``store_bf16``:
   its output in memory would round after every term; checked on each kernel's TensorIR,
   such an output (and any argument a kernel's definition cannot declare bfloat16) stays
   float32, until no kernel needs a change.
+* On a target with AMX tiles, products reading a node input that the tiles could run
+  read a bfloat16 copy of it (``{input}.bf16``) that a feed step rounds once per feed.
 """
 
 from __future__ import annotations
 
 import re
 
-from gcomp.codegen.kernels import KernelSpec, define, param_dtypes
+from gcomp.codegen.kernels import KernelSpec, define, has_amx, param_dtypes
 from gcomp.errors import CompileError
 from gcomp.runtime.plan import Plan
 
@@ -75,6 +77,48 @@ def _store_plan(plan: Plan, specs: dict, tgt: dict) -> None:
         if _root(plan, name) in chosen:
             b["dtype"] = "bfloat16"
     plan.precision = {"bfloat16": sorted(chosen), "kept_float32": dict(sorted(kept.items()))}
+    if has_amx(tgt):
+        _round_features(plan, specs, tgt)
+
+
+def _round_features(plan: Plan, specs: dict, tgt: dict) -> None:
+    """Give the products that read a node input (the features: the first layer's x @ W and
+    its weight gradient) a bfloat16 copy of it, rounded once per feed by a feed step,
+    where that makes them tile products (``amx_kernels.py``): rounding float32 rows as a
+    tile kernel loads them costs as much as the float32 product.  The input itself then
+    stays float32 and is read by the feed step alone (in the caller's array)."""
+    for inp in plan.inputs:
+        x = inp["name"]
+        if inp["role"] != "node" or inp.get("dtype", "float32") != "float32" \
+                or len(inp["dims"]) != 2:
+            continue
+        readers = []
+        for s in plan.steps:
+            spec = specs[s["kernel"]]
+            if spec.kind not in ("matmul", "matmul_tn") or s["args"][0].get("buf") != x:
+                continue
+            p = spec.p
+            stored = tuple(sorted(set(p.pop("bf16", ())) | {"x"}))
+            tiles = KernelSpec.make(spec.kind, **p, bf16=stored)
+            if "tdpbf16ps" in define(tiles, tgt).script():
+                readers.append((s, tiles))
+        if not readers:
+            continue
+        copy = f"{x}.bf16"
+        plan.buffers[copy] = {"dims": list(inp["dims"]), "dtype": "bfloat16"}
+        rounding = KernelSpec.make("round_rows", F=int(inp["dims"][1]), bf16=("out",))
+        specs[rounding.name] = rounding
+        step = {"kernel": rounding.name, "args": [{"buf": x}, {"buf": copy}],
+                "node": copy, "op": "round_rows"}
+        unless = {s.get("unless") for s, _ in readers}
+        if len(unless) == 1 and None not in unless:
+            step["unless"] = unless.pop()  # the sparse-feature variant reads x instead
+        plan.feed_steps.append(step)
+        for s, tiles in readers:
+            specs[tiles.name] = tiles
+            s["kernel"] = tiles.name
+            s["args"] = [{"buf": copy}] + s["args"][1:]
+        plan.precision["bfloat16"] = sorted(plan.precision["bfloat16"] + [copy])
 
 
 def _root(plan: Plan, name: str) -> str:
