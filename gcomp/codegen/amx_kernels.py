@@ -3,12 +3,14 @@
 A CPU with AMX-BF16 (Intel Sapphire Rapids and later) multiplies a 16 x 32 bfloat16
 tile by a 32 x 16 one into 16 x 16 float32 sums in one instruction (``tdpbf16ps``):
 the 32-wide products of a GNN layer stop being compute bound.  The row-group kernel of
-``cpu_kernels.matmul`` widens each bfloat16 value and multiplies in float32 (the 32 -> 32
-product over arxiv-size rows: 1.9 ms in a training step); on tiles it takes 0.7-0.8 ms,
-and 128 -> 32 takes 1.5 ms instead of 7.
+``cpu_kernels.matmul`` widens each bfloat16 value and multiplies in float32; on tiles,
+arxiv-size rows read from memory (2 threads), 32 -> 32 takes 0.8 ms instead of 1.9 and
+128 -> 32 2.3 instead of 7.2.  Here: that product (``matmul_amx``), the weight gradient
+``x.T @ y`` for long x rows (``matmul_tn_amx``), and the feed-time rounding of the node
+features that lets the first layer's products use the tiles too (``round_rows``).
 
 The weight is rounded to bfloat16 for the product (as PyTorch's autocast does); sums
-stay float32, and the epilogue runs on the float32 sums.  The kernel:
+stay float32, and the epilogue runs on the float32 sums.  The product kernel:
 
 * per range of rows (``CHUNKS`` in parallel): configures the tiles (``ldtilecfg``), and
   packs the float32 weight into bfloat16 pairs along k (the layout the instruction reads:
