@@ -4,8 +4,8 @@ A CPU with AMX-BF16 (Intel Sapphire Rapids and later) multiplies a 16 x 32 bfloa
 tile by a 32 x 16 one into 16 x 16 float32 sums in one instruction (``tdpbf16ps``):
 the 32-wide products of a GNN layer stop being compute bound.  The row-group kernel of
 ``cpu_kernels.matmul`` widens each bfloat16 value and multiplies in float32; on tiles,
-arxiv-size rows read from memory (2 threads), 32 -> 32 takes 0.8 ms instead of 1.9 and
-128 -> 32 2.3 instead of 7.2.  Here: that product (``matmul_amx``), the weight gradient
+arxiv-size rows read from memory (2 threads, ``python -m bench.amx``), 32 -> 32 takes
+1.0 ms instead of 2.0 and 128 -> 32 2.5 instead of 6.4.  Here: that product (``matmul_amx``), the weight gradient
 ``x.T @ y`` for long x rows (``matmul_tn_amx``), and the feed-time rounding of the node
 features that lets the first layer's products use the tiles too (``round_rows``).
 
