@@ -8,6 +8,7 @@ import sys
 import time
 
 from gcomp.codegen.cpu_load import CpuMonitor
+from gcomp.runtime.cpu_features import host_flags
 
 THREAD_VARS = ("TVM_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
@@ -43,16 +44,13 @@ def import_dgl():
 
 def machine() -> dict:
     cpu = None
-    flags = ""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and cpu is None:
-                    cpu = line.split(":", 1)[1].strip()
-                if line.startswith("flags") and not flags:
-                    flags = line.split(":", 1)[1]
+            cpu = next((line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name")), None)
     except OSError:
         pass
+    flags = host_flags()
     mem_kb = None
     try:
         with open("/proc/meminfo") as f:
@@ -66,8 +64,8 @@ def machine() -> dict:
         "cores_available": len(os.sched_getaffinity(0)),
         "cpu_count": os.cpu_count(),
         "memory_gib": round(mem_kb / 2**20, 1) if mem_kb else None,
-        "avx512": "avx512f" in flags.split(),
-        "avx2": "avx2" in flags.split(),
+        "avx512": "avx512f" in flags,
+        "avx2": "avx2" in flags,
         "platform": platform.platform(),
     }
 

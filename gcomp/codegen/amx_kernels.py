@@ -36,7 +36,8 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
 from gcomp.codegen import epilogue as epi
-from gcomp.codegen.kernels import arg, definer, stored_bf16
+from gcomp.codegen.kernels import arg, definer, stored_bf16  # first: it loads cpu_kernels
+from gcomp.codegen.cpu_kernels import _features, _row_range  # noqa: I001
 
 ROWS = 16      # rows of an x tile and of a sums tile
 COLS = 16      # float32 columns of a sums tile
@@ -98,7 +99,6 @@ def matmul_amx(K: int, M: int, epilogue: tuple, extras: tuple):
             xb = T.decl_buffer((n, K), u16, data=x.data)
             groups = T.Bind(n // ROWS)
             with T.parallel(0, CHUNKS) as p:
-                cfg = T.alloc_buffer((64,), "uint8", scope="local")
                 wp = T.alloc_buffer((K // 2, 2 * MP), "bfloat16", scope="local")
                 wpb = T.decl_buffer((K // 2, 2 * MP), u16, data=wp.data)
                 sums = T.alloc_buffer((ROWS, MP), f32, scope="local")
@@ -108,10 +108,11 @@ def matmul_amx(K: int, M: int, epilogue: tuple, extras: tuple):
                             T.buffer_store(wp, tirx.Cast("bfloat16", tirx.if_then_else(
                                 j < M, w[2 * kk + s, tirx.min(j, M - 1)],
                                 tirx.const(0.0, f32))), [kk, 2 * j + s])
-                _configure(cfg, CB, x_tile, w_tile)
-                _intrin("llvm.x86.ldtilecfg", cfg.access_ptr("r"))
-                lo = T.Bind(groups * tirx.Cast("int64", p) // CHUNKS)
-                hi = T.Bind(groups * tirx.Cast("int64", p + 1) // CHUNKS)
+                shapes = {t: (ROWS, 4 * COLS) for t in range(CB)}
+                shapes.update({t: (ROWS, 2 * kw) for kw, t in x_tile.items()})
+                shapes.update({t: (kw // 2, 4 * COLS) for kw, t in w_tile.items()})
+                _load_tile_config(shapes)
+                lo, hi = _row_range(groups, p, CHUNKS)
                 with T.serial(0, hi - lo) as gi:
                     row0 = (lo + gi) * ROWS
                     for b0, nb in blocks:  # the x tiles are reloaded from L1 per block
@@ -141,39 +142,36 @@ def matmul_amx(K: int, M: int, epilogue: tuple, extras: tuple):
                         with T.serial(0, n - groups * ROWS) as r:
                             i = groups * ROWS + r
                             row = T.alloc_buffer((MP,), f32, scope="local")
-                            with T.vectorized(0, MP) as j:
-                                T.buffer_store(row, tirx.const(0.0, f32), [j])
+                            _features(MP, lambda j: T.buffer_store(row, tirx.const(0.0, f32),
+                                                                   [j]))
                             with T.serial(0, K) as k:
-                                with T.vectorized(0, MP) as j:
-                                    T.buffer_store(row, row[j] + tirx.Cast(f32, x[i, k]) *
-                                                   tirx.Cast(f32, wp[k // 2, 2 * j + k % 2]), [j])
+                                _features(MP, lambda j, k=k: T.buffer_store(
+                                    row, row[j] + tirx.Cast(f32, x[i, k])
+                                    * tirx.Cast(f32, wp[k // 2, 2 * j + k % 2]), [j]))
                             _store_row(out, extra, extras, epilogue, i, M, lambda j: row[j])
     return ib.get()
 
 
-def _configure(cfg, MT: int, x_tile: dict, w_tile: dict) -> None:
-    """The 64-byte tile configuration: palette 1; per tile its rows and bytes per row."""
+def _load_tile_config(shapes: dict) -> None:
+    """Configure this thread's tiles (``ldtilecfg``): the 64-byte configuration, palette 1,
+    with each tile's (rows, bytes per row) from ``shapes`` (tile -> shape)."""
+    cfg = T.alloc_buffer((64,), "uint8", scope="local")
     with T.serial(0, 64) as b:
         T.buffer_store(cfg, tirx.const(0, "uint8"), [b])
     T.buffer_store(cfg, tirx.const(1, "uint8"), [0])
-
-    def shape(t: int, rows: int, colsb: int) -> None:
+    for t, (rows, colsb) in shapes.items():
         T.buffer_store(cfg, tirx.const(colsb & 255, "uint8"), [16 + 2 * t])
         T.buffer_store(cfg, tirx.const(colsb >> 8, "uint8"), [17 + 2 * t])
         T.buffer_store(cfg, tirx.const(rows, "uint8"), [48 + t])
-    for t in range(MT):
-        shape(t, ROWS, 4 * COLS)
-    for kw, t in x_tile.items():
-        shape(t, ROWS, 2 * kw)
-    for kw, t in w_tile.items():
-        shape(t, kw // 2, 4 * COLS)
+    _intrin("llvm.x86.ldtilecfg", cfg.access_ptr("r"))
 
 
 def _store_row(out, extra, extras, epilogue, i, M: int, value) -> None:
     """out[i, :] = epilogue(value(j)), vectorized over the columns."""
-    with T.vectorized(0, M) as j:
+    def store(j):
         res = epi.apply(epilogue, value(j), lambda e: extra[e][epi.index(extras[e], i, j)])
         T.buffer_store(out, res, [i, j])
+    _features(M, store)
 
 
 # ---------------------------------------------------------------- weight gradients
@@ -249,17 +247,8 @@ def matmul_tn_amx(K: int, M: int, chunks: int):
             ypk = T.alloc_buffer((P, MP, Q), u32)   # y.T, pairs of rows
             xpk = T.alloc_buffer((P, Q, KP), u32)   # x, pairs of rows
             with T.parallel(0, P) as p:
-                i64 = "int64"
-                lo = T.Bind(n * tirx.Cast(i64, p) // tirx.const(P, i64))
-                hi = T.Bind(n * tirx.Cast(i64, p + 1) // tirx.const(P, i64))
-                cfg = T.alloc_buffer((64,), "uint8", scope="local")
-                with T.serial(0, 64) as b:
-                    T.buffer_store(cfg, tirx.const(0, "uint8"), [b])
-                T.buffer_store(cfg, tirx.const(1, "uint8"), [0])
-                for t in range(b_tile + 1):
-                    T.buffer_store(cfg, tirx.const(4 * COLS, "uint8"), [16 + 2 * t])
-                    T.buffer_store(cfg, tirx.const(ROWS, "uint8"), [48 + t])
-                _intrin("llvm.x86.ldtilecfg", cfg.access_ptr("r"))
+                lo, hi = _row_range(n, p, P)
+                _load_tile_config({t: (ROWS, 4 * COLS) for t in range(b_tile + 1)})
                 with T.grid(MP, KP) as (a, b):
                     T.buffer_store(part, tirx.const(0.0, f32), [p, a, b])
                 with T.serial(0, (hi - lo + SUPER - 1) // SUPER) as sb:
@@ -299,11 +288,10 @@ def matmul_tn_amx(K: int, M: int, chunks: int):
                                         tirx.const(4 * KP, "int64"))
                 _intrin("llvm.x86.tilerelease")
             with T.parallel(0, K) as k:
-                with T.vectorized(0, M) as m:
-                    T.buffer_store(out, part[0, m, k], [k, m])
+                _features(M, lambda m: T.buffer_store(out, part[0, m, k], [k, m]))
                 with T.serial(1, P) as q:
-                    with T.vectorized(0, M) as m:
-                        T.buffer_store(out, out[k, m] + part[q, m, k], [k, m])
+                    _features(M, lambda m: T.buffer_store(out, out[k, m] + part[q, m, k],
+                                                          [k, m]))
     return ib.get()
 
 
@@ -321,9 +309,7 @@ def round_rows(F: int):
             x = arg("x", (n, F), "float32")
             out = arg("out", (n, F), "float32")
             with T.parallel(0, CHUNKS) as p:
-                lo = T.Bind(n * tirx.Cast("int64", p) // CHUNKS)
-                hi = T.Bind(n * tirx.Cast("int64", p + 1) // CHUNKS)
+                lo, hi = _row_range(n, p, CHUNKS)
                 with T.serial(0, hi - lo) as r:
-                    with T.vectorized(0, F) as f:
-                        T.buffer_store(out, x[lo + r, f], [lo + r, f])
+                    _features(F, lambda f: T.buffer_store(out, x[lo + r, f], [lo + r, f]))
     return ib.get()
