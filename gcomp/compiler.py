@@ -15,6 +15,7 @@ from collections import Counter
 
 from gcomp.codegen.build import build_library, device_code_format, make_target
 from gcomp.codegen.calibrate import calibrate_formats, calibrate_sparse_threshold
+from gcomp.codegen.hub_split import split_hub_rows
 from gcomp.codegen.kernels import KernelSpec, define, has_amx
 from gcomp.codegen.lower import lower
 from gcomp.codegen.optimizer import OptimizerConfig, add_optimizer
@@ -154,6 +155,9 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
         ir["training"] = print_graph(tgraph, show_meta=True)
     _set_thresholds([plan, train_plan], tgt, sparse_threshold)
     _add_feed_kernels([plan, train_plan], specs, tgt)
+    if tgt["kind"] == "cuda":
+        split_hub_rows([plan, train_plan], specs)
+        specs = _used(specs, [plan, train_plan])
     _set_format_costs([plan, train_plan], tgt)
     if graph is not None:
         for p in (plan, train_plan):

@@ -16,7 +16,8 @@ accumulators in vector registers (a separate local accumulator would be shared
 across lanes by TVM's vectorizer).
 
 Arguments: indptr (int64, n+1), indices (int32, nnz), [eid (int64, nnz)],
-[w (float32, nnz x WH)], x (float32, m x H*C), extras..., out (float32, n x H*C).
+[w (float32, nnz x WH)], x (float32, m x H*C), extras..., [tasks, hub (the GPU's hub
+split)], out (float32, n x H*C).
 """
 
 from __future__ import annotations
@@ -44,15 +45,24 @@ def _finish(reduce: str, acc, deg):
 
 @definer("csr_agg")
 def csr_agg(reduce: str, H: int, C: int, weight: str, indirect: bool = False,
-            epilogue: tuple = (), extras: tuple = ()):
+            epilogue: tuple = (), extras: tuple = (), split: bool = False):
+    """``split`` (the GPU's form, ``gcomp/codegen/hub_split.py``): two more arguments
+    before ``out``, ``tasks`` (int64, t x 2: edge ranges of at most ``graph.HUB_EDGES``
+    edges cut from the rows longer than that) and ``hub`` (int64, n+1: row i's tasks are
+    hub[i] .. hub[i+1], none for the other rows).  A first nest reduces each task's
+    edges into a partial row (``part``, t x F); the row nest then reduces a hub row's
+    partials, and the edges of every other row itself, so a hub's work is spread over
+    many threads instead of serializing one warp (arxiv-size power-law graphs have rows
+    of 22,897 edges).  Fixed tasks, fixed order: still deterministic."""
     F = H * C
     WH = H if weight == "head" else 1
     f32 = "float32"
+    init = tirx.const(NEG_INF if reduce == "max" else 0.0, f32)
     with IRBuilder() as ib:
         with T.prim_func(s_tir=True):
             T.func_name("csr_agg")
             T.func_attr({"tirx.noalias": True})
-            n, m, nnz = (tirx.Var(name, "int64") for name in ("n", "m", "nnz"))
+            n, m, nnz, t = (tirx.Var(name, "int64") for name in ("n", "m", "nnz", "t"))
 
             indptr = arg("indptr", (n + 1,), "int64")
             indices = arg("indices", (nnz,), "int32")
@@ -61,7 +71,42 @@ def csr_agg(reduce: str, H: int, C: int, weight: str, indirect: bool = False,
             x = arg("x", (m, F), f32)
             extra = [arg(f"e{k}", epi.shape(kind, n, F), f32)
                      for k, kind in enumerate(extras)]
+            if split:
+                tasks = arg("tasks", (t, 2), "int64")
+                hub = arg("hub", (n + 1,), "int64")
             out = arg("out", (n, F), f32)
+
+            def edge_reads(f):
+                reads = [indices[0:nnz], x[0:m, f]]
+                if w is not None:
+                    reads.append(w[0:nnz, 0:WH])
+                if eid is not None:
+                    reads.append(eid[0:nnz])
+                return reads
+
+            def reduce_edges(buf, idx, f, vh, lo, hi):
+                with T.serial(lo, hi) as j:
+                    IRBuilder.name("j", j)
+                    val = x[indices[j], f]
+                    if w is not None:
+                        e = eid[j] if eid is not None else j
+                        val = w[e, vh if weight == "head" else 0] * val
+                    acc = buf[idx]
+                    T.buffer_store(buf, tirx.max(acc, val) if reduce == "max" else acc + val, idx)
+
+            if split:
+                part = T.sblock_alloc_buffer((t, F), f32)
+                IRBuilder.name("part", part)
+                with T.grid(t, H, C) as (k, h, c):
+                    with T.sblock("task"):
+                        vk = T.axis.spatial(t, k)
+                        vh = T.axis.spatial(H, h)
+                        vc = T.axis.spatial(C, c)
+                        f = vh * C + vc
+                        T.reads(tasks[vk, 0:2], *edge_reads(f))
+                        T.writes(part[vk, f])
+                        T.buffer_store(part, init, [vk, f])
+                        reduce_edges(part, [vk, f], f, vh, tasks[vk, 0], tasks[vk, 1])
             with T.grid(n, H, C) as (i, h, c):
                 IRBuilder.name_many(["i", "h", "c"], [i, h, c])
                 with T.sblock("row"):
@@ -70,24 +115,21 @@ def csr_agg(reduce: str, H: int, C: int, weight: str, indirect: bool = False,
                     vc = T.axis.spatial(C, c)
                     IRBuilder.name_many(["vi", "vh", "vc"], [vi, vh, vc])
                     f = vh * C + vc
-                    reads = [indptr[vi:vi + 2], indices[0:nnz], x[0:m, f]]
-                    if w is not None:
-                        reads.append(w[0:nnz, 0:WH])
-                    if eid is not None:
-                        reads.append(eid[0:nnz])
+                    reads = [indptr[vi:vi + 2], *edge_reads(f)]
+                    if split:
+                        reads += [hub[vi:vi + 2], part[0:t, f]]
                     T.reads(*reads)
                     T.writes(out[vi, f])
-                    init = NEG_INF if reduce == "max" else 0.0
-                    T.buffer_store(out, tirx.const(init, f32), [vi, f])
-                    with T.serial(indptr[vi], indptr[vi + 1]) as j:
-                        IRBuilder.name("j", j)
-                        val = x[indices[j], f]
-                        if w is not None:
-                            e = eid[j] if eid is not None else j
-                            val = w[e, vh if weight == "head" else 0] * val
-                        acc = out[vi, f]
-                        new = tirx.max(acc, val) if reduce == "max" else acc + val
-                        T.buffer_store(out, new, [vi, f])
+                    T.buffer_store(out, init, [vi, f])
+                    end = indptr[vi + 1]
+                    if split:  # a hub row sums its tasks' partials and none of its edges
+                        with T.serial(hub[vi], hub[vi + 1]) as q:
+                            acc = out[vi, f]
+                            val = part[q, f]
+                            T.buffer_store(out, tirx.max(acc, val) if reduce == "max"
+                                           else acc + val, [vi, f])
+                        end = tirx.Select(hub[vi + 1] > hub[vi], indptr[vi], end)
+                    reduce_edges(out, [vi, f], f, vh, indptr[vi], end)
                     res = _finish(reduce, out[vi, f], indptr[vi + 1] - indptr[vi])
                     res = epi.apply(epilogue, res, lambda k: extra[k][epi.index(extras[k], vi, f)])
                     T.buffer_store(out, res, [vi, f])

@@ -17,6 +17,9 @@ when mode is ``add_remaining``, as PyG's add_remaining_self_loops keeps it).
 transposed graph); ``csc_indices`` holds each out-edge's destination and
 ``csc_eid`` the CSR position of its edge (out-degrees, backward passes);
 ``csc_perm`` its canonical id.
+``hub_tasks`` / ``hub_rows`` (and ``csc_`` ones, by source): the rows longer than
+``HUB_EDGES`` cut into tasks of at most that many edges, for the GPU's aggregation
+(``hub_split``).
 
 Arrays are computed on first use, so a plan that never needs CSC never pays
 for it.
@@ -29,6 +32,25 @@ from functools import cached_property
 import numpy as np
 
 from gcomp.errors import InputError
+
+
+HUB_EDGES = 128  # a GPU thread's longest edge loop in an aggregation (hub_split)
+
+
+def hub_split(indptr: np.ndarray, size: int = HUB_EDGES) -> tuple[np.ndarray, np.ndarray]:
+    """(tasks, rows): ``tasks`` (int64, t x 2) the edge ranges [start, end) that cut each
+    row of more than ``size`` edges into pieces of ``size`` (the last one shorter);
+    ``rows`` (int64, n+1) row i's tasks, ``rows[i]`` to ``rows[i+1]`` (none for shorter
+    rows).  With no such row, one empty task (a kernel launch needs one thread block)."""
+    deg = np.diff(indptr)
+    k = np.where(deg > size, -(-deg // size), 0)
+    rows = np.concatenate([[0], np.cumsum(k)]).astype(np.int64)
+    if rows[-1] == 0:
+        return np.zeros((1, 2), np.int64), rows
+    row_of = np.repeat(np.arange(len(deg)), k)
+    start = indptr[row_of] + (np.arange(rows[-1]) - rows[row_of]) * size
+    end = np.minimum(start + size, indptr[row_of + 1])
+    return np.stack([start, end], axis=1).astype(np.int64), rows
 
 
 class GraphStructure:
@@ -72,6 +94,22 @@ class GraphStructure:
     def csc_indptr(self) -> np.ndarray:
         counts = np.bincount(self.indices, minlength=self.num_nodes)
         return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+    @cached_property
+    def hub_tasks(self) -> np.ndarray:
+        return hub_split(self.indptr)[0]
+
+    @cached_property
+    def hub_rows(self) -> np.ndarray:
+        return hub_split(self.indptr)[1]
+
+    @cached_property
+    def csc_hub_tasks(self) -> np.ndarray:
+        return hub_split(self.csc_indptr)[0]
+
+    @cached_property
+    def csc_hub_rows(self) -> np.ndarray:
+        return hub_split(self.csc_indptr)[1]
 
     def array(self, name: str) -> np.ndarray:
         return getattr(self, name)

@@ -107,13 +107,18 @@ class Trainer:
     # ------------------------------------------------------------------ training
     def step(self) -> float:
         """One training step; returns the loss before the update."""
+        self.next_step()
+        self.train_ex.execute(self._binding)
+        return float(self._binding.buffers[self.artifact.train_plan.loss].numpy())
+
+    def next_step(self) -> None:
+        """Count a step and set the optimizer's and dropout's step inputs for it (``step``
+        then runs its kernels; ``gcomp.debug.compare`` runs them one by one)."""
         self.step_count += 1
         self.train_ex.set(OPT_STEP, self.step_count)
         if RNG_STEP in self.store:
             # the seed offsets the dropout counter, so seeds give different masks
             self.train_ex.set(RNG_STEP, (self.step_count + self.seed * 1_000_003) % (1 << 31))
-        self.train_ex.execute(self._binding)
-        return float(self._binding.buffers[self.artifact.train_plan.loss].numpy())
 
     def logits(self) -> np.ndarray:
         b = self.eval_ex.bind(self.graph)

@@ -1,13 +1,14 @@
 """Every bundled model on a CUDA GPU: forward against the float64 reference interpreter,
 one training step (loss, gradients, updated parameters) against the interpreter and the
-CPU build.  Skipped without a CUDA device (``tests/gpu/conftest.py``)."""
+CPU build.  Skipped without a CUDA device; the artifacts may be compiled elsewhere
+(``tests/gpu/conftest.py``)."""
 
 import numpy as np
 import pytest
 from conftest import awkward_graph, ref_inputs, rel_err
 
 import gcomp.models as models
-from gcomp.compiler import compile_model
+from gcomp.debug.compare import compare_forward, compare_training_step
 from gcomp.ir import RefGraph, interpret
 from gcomp.passes import training_pipeline
 from gcomp.runtime.synthetic import synthetic_graph
@@ -16,39 +17,48 @@ from gcomp.runtime.trainer import Trainer
 MODELS = ["gcn", "sage", "gin", "gat"]
 
 
-def check_forward(model, graph, tol=1e-4):
-    art = compile_model(model, "cuda")
+def first_difference(rows) -> str:
+    """The first kernel whose output differs between the CUDA and the CPU build."""
+    bad = next((r for r in rows if not r["ok"]), None)
+    return ("no kernel output differs" if bad is None else
+            f"first differing kernel: {bad['kernel']} writing {bad['buffer']} {bad['shape']} "
+            f"(rel err {bad['rel_err']:.2e}; CPU kernel {bad['other_kernel']})")
+
+
+def check_forward(build, model, graph, tol=1e-4):
+    art, cpu_art = build(model, "cuda", "llvm")
     ex = art.executor()
     assert ex.device.dlpack_device_type() == 2  # kDLCUDA: buffers and kernels on the GPU
     out = art.run(graph)[0]
     ref = interpret(model.graph, ref_inputs(model.graph, graph), model.params)[0]
     assert out.shape == ref.shape
-    assert rel_err(out, ref) <= tol, rel_err(out, ref)
+    err = rel_err(out, ref)
+    assert err <= tol, (err, first_difference(compare_forward(art, cpu_art, graph)))
     again = art.run(graph)[0]  # the cached binding: same buffers, same answer, bit for bit
     assert np.array_equal(out, again)
 
 
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("seed", [0, 1])
-def test_forward_awkward_graphs(name, seed):
+def test_forward_awkward_graphs(build, name, seed):
     g = awkward_graph(num_nodes=80, num_edges=500, num_features=12, seed=seed)
     m = models.build(name, 12, hidden=8, out_channels=5, layers=3, heads=3, seed=seed)
-    check_forward(m, g)
+    check_forward(build, m, g)
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_forward_power_law_graph(name):
+def test_forward_power_law_graph(build, name):
     g = synthetic_graph(20000, 300000, 64, 7, seed=3)  # hub rows, features wider than a warp
     m = models.build(name, 64, hidden=48, out_channels=7, layers=2, heads=2)
-    check_forward(m, g)
+    check_forward(build, m, g)
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_forward_graph_without_edges(name):
+def test_forward_graph_without_edges(build, name):
     g = awkward_graph(num_nodes=10, num_edges=20, num_features=4)
     g.edge_index = np.zeros((2, 0), np.int64)  # empty edge tensors: those launches are skipped
     m = models.build(name, 4, hidden=4, out_channels=2, layers=2, heads=2)
-    check_forward(m, g)
+    check_forward(build, m, g)
 
 
 def labelled(g, C, seed=0):
@@ -62,12 +72,12 @@ def labelled(g, C, seed=0):
 
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
 @pytest.mark.parametrize("name", MODELS)
-def test_training_step(name, dropout, tol=1e-4):
+def test_training_step(build, name, dropout, tol=1e-4):
     g = labelled(awkward_graph(num_nodes=70, num_edges=400, num_features=6, seed=3), 3)
     m = models.build(name, 6, hidden=8, out_channels=3, layers=3, heads=2, dropout=dropout,
                      seed=1)
-    gpu = Trainer(compile_model(m, "cuda", train=True), g, seed=2)
-    cpu = Trainer(compile_model(m, "llvm", train=True), g, seed=2)
+    gpu_art, cpu_art = build(m, "cuda", "llvm", train=True)
+    gpu, cpu = Trainer(gpu_art, g, seed=2), Trainer(cpu_art, g, seed=2)
     assert gpu.train_ex.device.dlpack_device_type() == 2
     params0 = gpu.parameters()
     loss = gpu.step()
@@ -79,8 +89,9 @@ def test_training_step(name, dropout, tol=1e-4):
     outs = interpret(tg, {k: v for k, v in inputs.items() if tg.has(k)}, params0)
     assert abs(loss - outs[0]) <= tol * abs(outs[0])
     grads = gpu.gradients()
-    for pname, ref in zip(tg.meta["grads"], outs[1:]):
-        assert rel_err(grads[pname], ref) <= tol, (pname, rel_err(grads[pname], ref))
+    wrong = {p: rel_err(grads[p], ref) for p, ref in zip(tg.meta["grads"], outs[1:])
+             if rel_err(grads[p], ref) > tol}
+    assert not wrong, (wrong, first_difference(compare_training_step(gpu_art, cpu_art, g, seed=2)))
     # and the CPU build after the same step: loss, gradients, updated parameters
     assert abs(cpu.step() - loss) <= tol * abs(loss)
     for k, v in cpu.parameters().items():
@@ -92,12 +103,19 @@ def test_training_step(name, dropout, tol=1e-4):
     assert np.isfinite(ev["loss"])
 
 
-def test_cli_train_on_gpu(tmp_path, capsys):
+def test_cli_train_on_gpu(capsys, artifact_mode):
     import json
 
     from gcomp.cli import main
-    assert main(["train", "gcn", "--graph", "cora", "--epochs", "20", "-t", "cuda",
-                 "--json"]) == 0
+    mode, where = artifact_mode
+    model = ["gcn", "-t", "cuda"]
+    if mode == "prepare":  # compile the artifact `gcomp train` runs on the GPU host
+        out = where / "cli-gcn-train.gcomp"
+        assert main(["compile", "gcn", "-t", "cuda", "--train", "-o", str(out)]) == 0
+        pytest.skip(f"prepared {out.name}")
+    if mode == "load":
+        model = [str(where / "cli-gcn-train.gcomp")]
+    assert main(["train", *model, "--graph", "cora", "--epochs", "20", "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["epochs"] == 20 and np.isfinite(result["final_loss"])
     assert result["train_acc"] > 0.3  # 7 classes: chance is 0.14

@@ -1,0 +1,370 @@
+"""gcomp's CUDA artifacts against PyG (and cuSPARSE SpMM) on one GPU, in the same run.
+
+A GPU host often has no TVM compiler (``docs/cuda.md``), so this runs in two halves:
+
+``python -m bench.gpu prepare DIR [--graphs arxiv-synth,reddit-synth]``
+    on any machine with nvcc: compile the CUDA artifacts the run needs into DIR
+    (3-layer GCN, GraphSAGE, GIN, GAT with 4 heads, hidden 32: inference and training;
+    and a bare sum aggregation, the SpMM, at F = 32 and 128).
+
+``python -m bench.gpu run DIR [--graphs ...] [--peers pyg,pyg-csr,pyg-compile] [--reps 10]
+[--out bench/results/gpu]``
+    on the GPU host, TVM runtime only: every system on the same graph with the same weights.
+    One epoch = forward, cross-entropy over the training mask, backward, Adam (lr 0.01);
+    inference = one forward with the features already on the device.  Times are wall clock
+    around the step with the device synchronized after it, median of ``--reps`` after
+    ``--warmup`` runs.  Memory: PyG's peak allocated bytes above its inputs
+    (``torch.cuda.max_memory_allocated``); gcomp's, the device memory its executor holds
+    after the steps (``cudaMemGetInfo`` before and after, the allocator pool included).
+    Before timing, gcomp's forward output is checked against PyG eager (relative error).
+    ``--profile`` adds gcomp's per-kernel times of a training step (synchronized per kernel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+MODELS = ("gcn", "sage", "gin", "gat")
+LAYERS, HIDDEN, HEADS = 3, 32, 4
+SPMM_WIDTHS = (32, 128)
+
+
+def artifact_path(d: Path, graph: str, what: str) -> Path:
+    return Path(d) / f"{graph}-{what}.gcomp"
+
+
+def spmm_model(width: int):
+    """out = sum over in-edges of x_j: the aggregation alone (an SpMM with A's values 1)."""
+    from gcomp.frontend.builder import GraphInput, MessagePassing, NodeInput, trace
+
+    class Sum(MessagePassing):
+        def __init__(self):
+            super().__init__(aggr="sum")
+
+        def forward(self, x, edge_index):
+            return self.propagate(edge_index, x=x)
+
+    return trace(Sum(), {"x": NodeInput(width), "edge_index": GraphInput()}, name="spmm")
+
+
+def prepare(args) -> None:
+    import gcomp.models
+    from gcomp.codegen.optimizer import OptimizerConfig
+    from gcomp.compiler import compile_model
+    from gcomp.runtime.synthetic import SIZES
+    out = Path(args.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for graph in args.graphs:
+        _, _, features, classes = SIZES[graph]  # the model needs the sizes, not the graph
+        for name in args.models:
+            m = gcomp.models.build(name, features, hidden=HIDDEN, out_channels=classes,
+                                   layers=LAYERS, heads=HEADS, seed=0)
+            compile_model(m, "cuda").save(artifact_path(out, graph, f"{name}-infer"))
+            compile_model(m, "cuda", train=True,
+                          optimizer=OptimizerConfig(name="adam", lr=0.01)
+                          ).save(artifact_path(out, graph, f"{name}-train"))
+            print(f"prepared {graph} {name}", flush=True)
+    for width in SPMM_WIDTHS:
+        compile_model(spmm_model(width), "cuda").save(artifact_path(out, "any", f"spmm{width}"))
+    print(f"prepared spmm {SPMM_WIDTHS}", flush=True)
+
+
+# ---------------------------------------------------------------------------- timing
+def timed(step, sync, reps: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        step()
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def summary(times: list[float]) -> dict:
+    return {"median_ms": statistics.median(times) * 1e3, "min_ms": min(times) * 1e3,
+            "max_ms": max(times) * 1e3, "reps": len(times)}
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-12))
+
+
+def device_used() -> int:
+    import torch
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+# ---------------------------------------------------------------------------- gcomp
+def gcomp_inference(art, w, reps, warmup) -> tuple[dict, np.ndarray]:
+    before = device_used()
+    ex = art.executor()
+    b = ex.bind(w.graph)
+    b = ex.feed(b, {"x": w.x})
+    ex.execute(b)
+    out = ex.outputs(b)[0]
+    res = summary(timed(lambda: ex.execute(b), ex.sync, reps, warmup))
+    res["device_bytes"] = device_used() - before
+    res["bind_s"] = b.bind_time_s
+    return res, out
+
+
+def gcomp_training(art, w, reps, warmup, profile: bool) -> dict:
+    from gcomp.runtime.trainer import Trainer
+    before = device_used()
+    tr = Trainer(art, w.graph)
+    res = summary(timed(tr.step, tr.train_ex.sync, reps, warmup))
+    res["device_bytes"] = device_used() - before
+    res["final_loss"] = tr.step()
+    if profile:
+        res["kernels"] = kernel_profile(tr, reps)
+    return res
+
+
+def kernel_profile(tr, reps: int) -> list[dict]:
+    """Each kernel of one training step, synchronized alone: median ms, slowest first."""
+    b, sync = tr._binding, tr.train_ex.sync
+    times = np.zeros((reps, len(b.steps)))
+    for r in range(reps):
+        for k, (fn, args) in enumerate(b.steps):
+            sync()
+            t0 = time.perf_counter()
+            fn(*args)
+            sync()
+            times[r, k] = time.perf_counter() - t0
+    med = np.median(times, axis=0) * 1e3
+    rows = [{"kernel": s["kernel"], "ms": float(m)} for s, m in zip(b.plan_steps, med)]
+    return sorted(rows, key=lambda r: -r["ms"])
+
+
+# ---------------------------------------------------------------------------- PyG
+def pyg_case(config: str, w, mode: str, reps: int, warmup: int) -> tuple[dict, np.ndarray]:
+    import torch
+    import torch.nn.functional as F
+
+    from bench.peers_pyg import build_module, csr_input
+    dev = torch.device("cuda")
+    module = build_module(w.model, csr=config == "pyg-csr").to(dev)
+    x = torch.from_numpy(w.x).to(dev)
+    if config == "pyg-csr":
+        edge, _ = csr_input(w.model.config["model"], w.graph.edge_index, w.graph.num_nodes)
+        edge = edge.to(dev)
+    else:
+        edge = torch.from_numpy(w.graph.edge_index).to(dev)
+    y = torch.from_numpy(w.y).to(dev)
+    mask = torch.from_numpy(w.train_mask).to(dev)
+    with torch.no_grad():
+        module.eval()
+        out = module(x, edge).cpu().numpy()  # also fills GCNConv's cache
+    fn = torch.compile(module) if config == "pyg-compile" else module
+    opt = torch.optim.Adam(module.parameters(), lr=0.01)
+
+    def infer():
+        with torch.no_grad():
+            fn(x, edge)
+
+    def train():
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(fn(x, edge)[mask], y[mask])
+        loss.backward()
+        opt.step()
+
+    step = infer if mode == "inference" else train
+    module.train(mode == "training")
+    res = {}
+    if config == "pyg-compile":
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        res["compile_s"] = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    res.update(summary(timed(step, torch.cuda.synchronize, reps, warmup)))
+    res["peak_extra_bytes"] = torch.cuda.max_memory_allocated() - base
+    del module, opt, fn
+    torch.cuda.empty_cache()
+    return res, out
+
+
+def spmm_cases(d: Path, graph: str, reps: int, warmup: int) -> list[dict]:
+    import torch
+
+    from bench.peers_pyg import csr_adj_t
+    from bench.workload import load
+    from gcomp.runtime.artifact import load as load_artifact
+    g = load(graph)[0]
+    adj = csr_adj_t(g.edge_index, g.num_nodes).to("cuda")  # values = edge multiplicities
+    rows = []
+    for width in SPMM_WIDTHS:
+        x = np.random.default_rng(0).standard_normal((g.num_nodes, width)).astype(np.float32)
+        ex = load_artifact(artifact_path(d, "any", f"spmm{width}")).executor()
+        b = ex.feed(ex.bind(g), {"x": x})
+        ex.execute(b)
+
+        def aggregate():  # the sum over x, an input, runs when x is fed: its feed steps
+            for _, fn, fargs in b.feed_steps:
+                fn(*fargs)
+            ex.execute(b)
+
+        ours = summary(timed(aggregate, ex.sync, reps, warmup))
+        ours["kernels"] = [s["kernel"] for s, _, _ in b.feed_steps] + [
+            s["kernel"] for s in b.plan_steps]
+        out = ex.outputs(b)[0]
+        xt = torch.from_numpy(x).cuda()
+        ref = torch.sparse.mm(adj, xt)
+        theirs = summary(timed(lambda: torch.sparse.mm(adj, xt), torch.cuda.synchronize,
+                               reps, warmup))
+        rows.append({"graph": graph, "width": width, "gcomp": ours, "cusparse": theirs,
+                     "rel_err": rel_err(out, ref.cpu().numpy())})
+        print(json.dumps(rows[-1]), flush=True)
+        del ex, b, xt, ref
+        torch.cuda.empty_cache()
+    return rows
+
+
+def run(args) -> dict:
+    import torch
+
+    from bench.workload import make
+    from gcomp.runtime.artifact import load, tvm_version
+    d = Path(args.dir)
+    result = {"command": " ".join(sys.argv), "when": datetime.now(timezone.utc).isoformat(),
+              "device": torch.cuda.get_device_name(), "versions": versions(tvm_version()),
+              "layers": LAYERS, "hidden": HIDDEN, "heads": HEADS, "reps": args.reps,
+              "warmup": args.warmup, "cases": [], "spmm": []}
+    for graph in args.graphs:
+        if not args.no_spmm:
+            result["spmm"] += spmm_cases(d, graph, args.reps, args.warmup)
+        for name in args.models:
+            w = make(name, graph, LAYERS, HIDDEN, HEADS)
+            for mode in args.modes:
+                case = {"graph": graph, "model": name, "mode": mode, **w.describe()}
+                art = load(artifact_path(d, graph, f"{name}-{'train' if mode == 'training' else 'infer'}"))
+                if any(not np.array_equal(art.params[k], v) for k, v in w.model.params.items()):
+                    raise SystemExit(f"{graph} {name}: the artifact holds other weights than "
+                                     "the workload's model: prepare it again")
+                ref = None
+                for config in args.peers:
+                    try:
+                        case[config], out = pyg_case(config, w, mode, args.reps, args.warmup)
+                        ref = out if ref is None else ref
+                    except Exception as e:  # noqa: BLE001 - record a peer's failure (OOM) and go on
+                        case[config] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                        torch.cuda.empty_cache()
+                try:
+                    if mode == "inference":
+                        case["gcomp"], out = gcomp_inference(art, w, args.reps, args.warmup)
+                        if ref is not None:
+                            case["gcomp"]["rel_err_vs_pyg"] = rel_err(out, ref)
+                    else:
+                        case["gcomp"] = gcomp_training(art, w, args.reps, args.warmup,
+                                                       args.profile)
+                except Exception as e:  # noqa: BLE001 - report it with the case, run the rest
+                    traceback.print_exc()
+                    case["gcomp"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                best = [case[c]["median_ms"] for c in args.peers if "median_ms" in case[c]]
+                if best and "median_ms" in case["gcomp"]:
+                    case["speedup_vs_best_pyg"] = min(best) / case["gcomp"]["median_ms"]
+                print(json.dumps({k: v for k, v in case.items() if k != "gcomp"} |
+                                 {"gcomp": {k: v for k, v in case["gcomp"].items()
+                                            if k != "kernels"}}), flush=True)
+                result["cases"].append(case)
+                del art
+                torch.cuda.empty_cache()
+    return result
+
+
+def versions(tvm: str) -> dict:
+    import platform
+
+    import torch
+    import torch_geometric
+
+    import gcomp
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "torch_geometric": torch_geometric.__version__,
+            "tvm": tvm, "gcomp": gcomp.__version__}
+
+
+def markdown(res: dict) -> str:
+    lines = [f"# gcomp vs PyG on {res['device']}", "",
+             f"`{res['command']}` at {res['when']}; {res['versions']}.  "
+             f"{res['layers']} layers, hidden {res['hidden']}, GAT {res['heads']} heads; "
+             f"median of {res['reps']} after {res['warmup']} warm-ups.", ""]
+    if res["spmm"]:
+        lines += ["| graph | F | gcomp SpMM ms | cuSPARSE ms | ratio | rel err |", "|---|---|---|---|---|---|"]
+        for r in res["spmm"]:
+            lines.append(f"| {r['graph']} | {r['width']} | {r['gcomp']['median_ms']:.3f} | "
+                         f"{r['cusparse']['median_ms']:.3f} | "
+                         f"{r['cusparse']['median_ms'] / r['gcomp']['median_ms']:.2f}x | "
+                         f"{r['rel_err']:.1e} |")
+        lines.append("")
+    peers = [p for p in ("pyg", "pyg-csr", "pyg-compile") if any(p in c for c in res["cases"])]
+    lines += ["| graph | model | mode | gcomp ms | gcomp MiB | " +
+              " | ".join(f"{p} ms / MiB" for p in peers) + " | vs best PyG |",
+              "|" + "---|" * (6 + len(peers))]
+    for c in res["cases"]:
+        g = c["gcomp"]
+        if "median_ms" not in g:
+            lines.append(f"| {c['graph']} | {c['model']} | {c['mode']} | {g['error'][:60]} |")
+            continue
+        cells = []
+        for p in peers:
+            r = c.get(p, {})
+            cells.append(f"{r['median_ms']:.2f} / {r['peak_extra_bytes'] / 2**20:.0f}"
+                         if "median_ms" in r else r.get("error", "-")[:40])
+        sp = f"{c['speedup_vs_best_pyg']:.2f}x" if "speedup_vs_best_pyg" in c else "-"
+        lines.append(f"| {c['graph']} | {c['model']} | {c['mode']} | {g['median_ms']:.2f} | "
+                     f"{g['device_bytes'] / 2**20:.0f} | " + " | ".join(cells) + f" | {sp} |")
+    for c in res["cases"]:
+        if "kernels" in c["gcomp"]:
+            lines += ["", f"{c['graph']} {c['model']} training step, slowest kernels (ms): " +
+                      ", ".join(f"{k['kernel']} {k['ms']:.3f}" for k in c["gcomp"]["kernels"][:8])]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n")[0])
+    p.add_argument("action", choices=["prepare", "run"])
+    p.add_argument("dir", help="artifact directory")
+    p.add_argument("--graphs", default="arxiv-synth")
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--modes", default="training,inference")
+    p.add_argument("--peers", default="pyg,pyg-csr")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--no-spmm", action="store_true")
+    p.add_argument("--out", default="bench/results/gpu")
+    args = p.parse_args(argv)
+    for k in ("graphs", "models", "modes", "peers"):
+        setattr(args, k, [s for s in getattr(args, k).split(",") if s])
+    if args.action == "prepare":
+        prepare(args)
+        return 0
+    res = run(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = res["when"][:19].replace(":", "").replace("-", "")
+    (out / f"gpu-{stamp}.json").write_text(json.dumps(res, indent=1))
+    (out / f"gpu-{stamp}.md").write_text(markdown(res))
+    print(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
