@@ -236,7 +236,10 @@ def spmm_cases(d: Path, graph: str, reps: int, warmup: int) -> list[dict]:
     return rows
 
 
-def run(args) -> dict:
+def run(args, save) -> dict:
+    """Every case of ``args``; ``save(result)`` after each, so a peer that brings the
+    process down (a CUDA error in a torch.compile'd kernel) loses no earlier case.  gcomp
+    runs before the peers, and pyg-compile last."""
     import torch
 
     from bench.workload import make
@@ -249,43 +252,58 @@ def run(args) -> dict:
     for graph in args.graphs:
         if not args.no_spmm:
             result["spmm"] += spmm_cases(d, graph, args.reps, args.warmup)
+            save(result)
         for name in args.models:
             w = make(name, graph, LAYERS, HIDDEN, HEADS)
             for mode in args.modes:
                 case = {"graph": graph, "model": name, "mode": mode, **w.describe()}
+                result["cases"].append(case)
                 art = load(artifact_path(d, graph, f"{name}-{'train' if mode == 'training' else 'infer'}"))
                 if any(not np.array_equal(art.params[k], v) for k, v in w.model.params.items()):
                     raise SystemExit(f"{graph} {name}: the artifact holds other weights than "
                                      "the workload's model: prepare it again")
-                ref = None
-                for config in args.peers:
-                    try:
-                        case[config], out = pyg_case(config, w, mode, args.reps, args.warmup)
-                        ref = out if ref is None else ref
-                    except Exception as e:  # noqa: BLE001 - record a peer's failure (OOM) and go on
-                        case[config] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-                        torch.cuda.empty_cache()
+                out = None
                 try:
                     if mode == "inference":
                         case["gcomp"], out = gcomp_inference(art, w, args.reps, args.warmup)
-                        if ref is not None:
-                            case["gcomp"]["rel_err_vs_pyg"] = rel_err(out, ref)
                     else:
                         case["gcomp"] = gcomp_training(art, w, args.reps, args.warmup,
                                                        args.profile)
                 except Exception as e:  # noqa: BLE001 - report it with the case, run the rest
                     traceback.print_exc()
                     case["gcomp"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-                best = [case[c]["median_ms"] for c in args.peers if "median_ms" in case[c]]
-                if best and "median_ms" in case["gcomp"]:
-                    case["speedup_vs_best_pyg"] = min(best) / case["gcomp"]["median_ms"]
+                del art
+                torch.cuda.empty_cache()
+                save(result)
+                for config in sorted(args.peers, key=lambda c: c == "pyg-compile"):
+                    try:
+                        case[config], ref = pyg_case(config, w, mode, args.reps, args.warmup)
+                        if out is not None and "rel_err_vs_pyg" not in case["gcomp"]:
+                            case["gcomp"]["rel_err_vs_pyg"] = rel_err(out, ref)
+                    except Exception as e:  # noqa: BLE001 - record a peer's failure (OOM) and go on
+                        case[config] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                        torch.cuda.empty_cache()
+                    best = [case[c]["median_ms"] for c in args.peers
+                            if "median_ms" in case.get(c, {})]
+                    if best and "median_ms" in case["gcomp"]:
+                        case["speedup_vs_best_pyg"] = min(best) / case["gcomp"]["median_ms"]
+                    save(result)
                 print(json.dumps({k: v for k, v in case.items() if k != "gcomp"} |
                                  {"gcomp": {k: v for k, v in case["gcomp"].items()
                                             if k != "kernels"}}), flush=True)
-                result["cases"].append(case)
-                del art
-                torch.cuda.empty_cache()
     return result
+
+
+def merge(paths: list[str]) -> dict:
+    """One result from several runs (say one process per model) on the same device."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    devices = {r["device"] for r in runs}
+    if len(devices) != 1:
+        raise SystemExit(f"results from different devices: {sorted(devices)}")
+    res = dict(runs[0], command=" ; ".join(r["command"] for r in runs),
+               cases=[c for r in runs for c in r["cases"]],
+               spmm=[c for r in runs for c in r["spmm"]])
+    return res
 
 
 def versions(tvm: str) -> dict:
@@ -318,7 +336,7 @@ def markdown(res: dict) -> str:
               " | ".join(f"{p} ms / MiB" for p in peers) + " | vs best PyG |",
               "|" + "---|" * (6 + len(peers))]
     for c in res["cases"]:
-        g = c["gcomp"]
+        g = c.get("gcomp", {"error": "the process died in gcomp's run"})
         if "median_ms" not in g:
             lines.append(f"| {c['graph']} | {c['model']} | {c['mode']} | {g['error'][:60]} |")
             continue
@@ -331,7 +349,7 @@ def markdown(res: dict) -> str:
         lines.append(f"| {c['graph']} | {c['model']} | {c['mode']} | {g['median_ms']:.2f} | "
                      f"{g['device_bytes'] / 2**20:.0f} | " + " | ".join(cells) + f" | {sp} |")
     for c in res["cases"]:
-        if "kernels" in c["gcomp"]:
+        if "kernels" in c.get("gcomp", {}):
             lines += ["", f"{c['graph']} {c['model']} training step, slowest kernels (ms): " +
                       ", ".join(f"{k['kernel']} {k['ms']:.3f}" for k in c["gcomp"]["kernels"][:8])]
     return "\n".join(lines) + "\n"
@@ -339,8 +357,9 @@ def markdown(res: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n")[0])
-    p.add_argument("action", choices=["prepare", "run"])
-    p.add_argument("dir", help="artifact directory")
+    p.add_argument("action", choices=["prepare", "run", "report"])
+    p.add_argument("dir", help="artifact directory (report: the result JSON files, "
+                               "comma-separated)")
     p.add_argument("--graphs", default="arxiv-synth")
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--modes", default="training,inference")
@@ -356,12 +375,17 @@ def main(argv=None) -> int:
     if args.action == "prepare":
         prepare(args)
         return 0
-    res = run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stamp = res["when"][:19].replace(":", "").replace("-", "")
-    (out / f"gpu-{stamp}.json").write_text(json.dumps(res, indent=1))
-    (out / f"gpu-{stamp}.md").write_text(markdown(res))
+    if args.action == "report":
+        res = merge(args.dir.split(","))
+        (out / "gpu-latest.json").write_text(json.dumps(res, indent=1))
+        (out / "gpu-latest.md").write_text(markdown(res))
+        print(markdown(res))
+        return 0
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+    path = out / f"gpu-{stamp}.json"
+    res = run(args, lambda r: path.write_text(json.dumps(r, indent=1)))
     print(markdown(res))
     return 0
 

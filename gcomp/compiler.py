@@ -125,7 +125,7 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
         raise CompileError(f"unknown precision {precision!r}; choose one of "
                            f"{', '.join(PRECISIONS)}")
     if precision == "bf16" and target != "llvm":
-        # the CUDA kernels compile with bfloat16 arguments, but no GPU has run them yet
+        # the CUDA kernels compile with bfloat16 arguments, but no GPU test covers them yet
         raise CompileError("--precision bf16 is supported for -t llvm only so far")
     tgt = make_target(target, mcpu=mcpu, arch=arch)
     if precision == "bf16" and mcpu is None and host_has_amx():

@@ -27,18 +27,16 @@ Thread layouts used here:
   more chunks on the GPU (``DEFINITION_PARAMS``).
 
 Aggregation strategies: ``AGG_STRATEGIES`` maps a name to a schedule;
-``agg_strategy(spec)`` picks one (today always ``rows``: warp over features,
-several rows per block).  Degree-binned variants slot in here: an ELL-bucket
-kernel for low-degree rows (one thread per row and lane group, edges unrolled),
-and hub rows split over several warps or blocks (partial sums then a second
-pass, or ``T.cuda.atomic_add`` behind a flag since it is not deterministic).
-They need per-graph row bins, which belong with the runtime's graph preparation
-(``gcomp/runtime/graph.py``) and plan variants (``plan.variants``), like the
-sparse-feature variant.
+``agg_strategy(spec)`` picks one (today always ``rows``).  Rows longer than
+``graph.HUB_EDGES`` are not walked by one thread: ``-t cuda`` plans call the split form
+of ``csr_agg`` (``gcomp/codegen/hub_split.py``), whose task nest gets the same rows x
+lanes layout.  An ELL kernel for low-degree rows would slot in here, as a plan variant
+chosen by the bound graph like the sparse-feature variant.
 
 Pitfalls of TVM 0.27's CUDA path (``shared/notes/tvm.md``) this file respects:
-loop kinds are only chosen here, never written in kernel bodies; no shared
-memory under a row predicate (only the scalar reductions use shared memory,
+static loops are only split by factors that divide them (``lanes_for``); loop kinds
+are only chosen here, never written in kernel bodies; no shared memory under a row
+predicate (only the scalar reductions use shared memory,
 and they have no predicate around them); a function with two thread-bound
 nests becomes two kernel launches (``colsum``, ``matmul_tn`` and the losses do
 this on purpose, their intermediates are allocated by the host); no block
@@ -233,16 +231,20 @@ def _edge_dot(sch) -> None:
 
 
 # ---------------------------------------------------------------------- dense kernels
+MATMUL_ROWS = 4  # rows of x one thread multiplies: each w[k, j] it loads serves all of them
+
+
 def _matmul(sch, M: int, epilogue: bool) -> None:
-    """Rows x lanes over the output columns; the k loop stays in one thread, its sum in
-    a register (x[i, k] is one broadcast load per warp, w[k, :] coalesced)."""
+    """Rows x lanes over the output columns; each thread computes ``MATMUL_ROWS`` rows of
+    its column with the k loop outside them, their sums in registers (x[i, k] is one
+    broadcast load per warp, w[k, :] coalesced and reused across the rows)."""
     blk = sch.get_sblock("matmul")
     i, j, k = sch.get_loops(blk)
     lanes = lanes_for(M)
     rows_per_block = max(1, THREADS // lanes)
-    io, ii = sch.split(i, [None, rows_per_block])
+    io, ii, ir = sch.split(i, [None, rows_per_block, MATMUL_ROWS])
     jo, ji = sch.split(j, [None, lanes])
-    sch.reorder(io, jo, ii, ji, k)
+    sch.reorder(io, jo, ii, ji, k, ir)
     sch.bind(io, "blockIdx.x")
     sch.bind(jo, "blockIdx.y")
     sch.bind(ii, "threadIdx.y")
@@ -265,7 +267,9 @@ def _colsum(sch, F: int) -> None:
 
 
 def _matmul_tn(sch) -> None:
-    """GPU definition (``gpu=True``): per chunk of rows, one thread per output element."""
+    """GPU definition (``gpu=True``): per chunk of rows, one thread per output element.
+    (Four elements per thread, tried on an H100, made K = 32 products 2-3x slower: too
+    few threads left to hide the loads' latency.)"""
     part = sch.get_sblock("part")
     p, a, b = sch.get_loops(part)
     ab = sch.fuse(a, b)
