@@ -224,13 +224,12 @@ def test_matmul_with_bias():
 
 @pytest.mark.parametrize("K,M", [(300, 16), (260, 45), (130, 64), (128, 40), (16, 7), (9, 3),
                                  (40, 384), (33, 128)])
-def test_matmul_in_row_groups(K, M):
-    """Widths where the CPU matmul multiplies groups of rows on this machine (long rows,
-    wide outputs, widths the vector unit does not divide), with a bias and activation in
-    the epilogue and a node count that leaves the last group short."""
-    from gcomp.codegen.cpu_kernels import _matmul_rows
-    from gcomp.codegen.kernels import cpu_tuning
-    assert _matmul_rows(K, M, cpu_tuning("llvm")) is not None
+def test_matmul_widths(K, M):
+    """Widths where the CPU matmul multiplies groups of rows under some tuning (long rows,
+    wide outputs, widths the vector unit does not divide), in whichever kernel this
+    machine's tuning picks (``test_matmul_row_groups_of_each_tuning`` covers every
+    tuning's row groups), with a bias and activation in the epilogue and a node count
+    that leaves the last group short."""
     run_both(lambda x, g, w, W, b: ((x @ W) + b).relu(), F=K, params=[(K, M), (M,)], n=67)
 
 
@@ -340,6 +339,25 @@ def test_reordering_is_invisible_for_node_and_edge_outputs(order):
     assert ex._binding.order is not None
     refs = interpret(m.graph, ref_inputs(m.graph, g), m.params)
     for o, r in zip(outs, refs):
+        assert rel_err(o, r) <= 1e-4
+
+
+@pytest.mark.parametrize("with_product", [False, True])
+def test_aggregated_features_that_are_outputs_run_with_sparse_features(with_product):
+    """A x computed once per feed is skipped by the sparse-feature variant only where
+    products alone read it; a model output is always computed (a calibration that
+    chose the sparse kernels for dense features once left it unwritten: garbage)."""
+    g = awkward_graph(num_nodes=70, num_edges=400, num_features=45, seed=0)
+    inputs = {"x": NodeInput(45), "edge_index": GraphInput()}
+
+    def fn(x, g_, w, W):
+        ax = g_.aggregate(x, "sum")
+        return [ax, ax @ W] if with_product else ax
+    m = trace(Fn(fn, [(45, 4)]), inputs)
+    ex = compile_model(m, sparse_threshold=0.0).executor()  # the variant for any features
+    outs = ex.run(g)
+    assert ("sparse:x" in ex._binding.variants) == with_product  # only products have one
+    for o, r in zip(outs, interpret(m.graph, ref_inputs(m.graph, g), m.params)):
         assert rel_err(o, r) <= 1e-4
 
 

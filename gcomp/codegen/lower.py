@@ -163,6 +163,14 @@ class _Lowering:
                 and (len(v.inputs) < 3 or (v.inputs[2].ty.rank == 1
                                            and v.inputs[2].meta.get("phase") == "bind")))
 
+    def _read_only_by_products(self, v: Node) -> bool:
+        """Whether ``v`` is read only as the x of products ``x @ w`` (those have sparse
+        variants) and is not a model output: a sparse variant may then skip computing it.
+        A value with no readers is an output (dead values are gone), and must be computed."""
+        return (bool(v.users) and v not in self.graph.outputs
+                and all(u.op == Op.MATMUL and u.inputs[0] is v and not u.attrs["trans_b"]
+                        for u in v.users))
+
     def variant(self, x: Node) -> str:
         """The sparse variant of node values ``x``; for computed values, ``sources`` names
         the node inputs they are computed from (the runtime measures them after feeding)."""
@@ -481,9 +489,8 @@ class _Lowering:
         spec, args, wview = self._agg_call(n, g, w, n.attrs["reduce"], flow, H, C, weight,
                                            tail, fused)
         # aggregated features that only matmuls read: their sparse variant does without
-        unless = (self.variant(x) if self._aggregated_features(n) and all(
-            u.op == Op.MATMUL and u.inputs[0] is n and not u.attrs["trans_b"]
-            for u in n.users) else None)
+        unless = (self.variant(x) if self._aggregated_features(n)
+                  and self._read_only_by_products(n) else None)
         self.offer_formats(n, g, spec, wview, self.step(n, spec, args, unless=unless),
                            transpose=flow == "out")
 
@@ -706,7 +713,7 @@ class _Lowering:
             # with sparse features the matmuls read masked nonzeros instead; the dense mask
             # is only needed if something else reads it
             key = self.variant(x)
-            if all(u.op == Op.MATMUL and u.inputs[0] is n for u in n.users):
+            if self._read_only_by_products(n):
                 unless = key
             self.buffer(n, dims=[f"NNZ:{x.name}", 1], name=f"{n.name}.nnz")
             nspec = KernelSpec.make("dropout_nnz", F=int(x.ty.shape[1]), p=float(n.attrs["p"]),
