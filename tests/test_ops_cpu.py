@@ -238,7 +238,9 @@ def test_matmul_widths(K, M):
                                      ("avx512", 128, 32), ("avx512", 32, 40),
                                      ("avx512", 130, 64), ("avx512", 500, 16),
                                      ("avx512", 16, 7), ("avx512", 40, 384),
-                                     ("avx512", 40, 128)])
+                                     ("avx512", 40, 128),
+                                     ("avx2", 128, 32), ("avx2", 128, 128), ("avx2", 500, 16),
+                                     ("avx2", 16, 7), ("avx2", 128, 130), ("avx2", 40, 384)])
 def test_matmul_row_groups_of_each_tuning(tuning, K, M):
     """The row-group matmul as each tuning table sizes it (group rows, prefetch distance),
     compiled for this machine: bias and ReLU epilogue, row counts that leave the last group
@@ -261,20 +263,20 @@ def test_matmul_row_groups_of_each_tuning(tuning, K, M):
         assert np.abs(out.numpy() - ref).max(initial=0.0) <= 1e-5 * max(1.0, np.abs(ref).max(initial=0.0)), n
 
 
+@pytest.mark.parametrize("tuning", ["default", "avx2"])
 @pytest.mark.parametrize("K,M", [(128, 32), (32, 40), (12, 7), (1433, 16), (3, 64), (128, 128),
                                  (12, 96), (5, 160)])
-def test_weight_gradient_in_row_blocks(K, M):
+def test_weight_gradient_in_row_blocks(K, M, tuning):
     """The CPU x.T @ y (weight gradients) adds blocks of rows into register tiles of the
-    result: row counts that leave blocks and chunks short or empty, widths the vector unit
-    does not divide, K without a tile that divides it, wide results in column tiles."""
+    result, as each tuning sizes them, compiled for this machine: row counts that leave
+    blocks and chunks short or empty, widths the vector unit does not divide, K without a
+    tile that divides it, wide results in column tiles."""
     import tvm
-    from gcomp.codegen.build import build_library, make_target
-    from gcomp.codegen.cpu_kernels import _matmul_tn_tile
-    from gcomp.codegen.kernels import KernelSpec
-    assert _matmul_tn_tile(K, M) is not None
-    spec = KernelSpec.make("matmul_tn", K=K, M=M)
-    fn = tvm.runtime.load_module(str(build_library({spec.name: spec}, make_target("llvm"))))[
-        spec.name]
+    from gcomp.codegen.build import make_target
+    from gcomp.codegen.cpu_kernels import _matmul_tn_tile, matmul_tn
+    assert _matmul_tn_tile(K, M, tuning) is not None
+    func = matmul_tn(K, M, tuning=tuning).with_attr("global_symbol", "tn")
+    fn = tvm.compile(tvm.IRModule({"tn": func}), target=tvm.target.Target(make_target("llvm")))["tn"]
     rng = np.random.default_rng(K + M)
     for n in (0, 1, 15, 17, 16 * 16 + 3, 1000):
         x = rng.standard_normal((n, K)).astype(np.float32)

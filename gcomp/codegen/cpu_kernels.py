@@ -52,6 +52,14 @@ PREFETCH_BYTES = 8192   # how far ahead the dense kernels prefetch the rows they
 # more values take 64, so the K / TA accumulator tiles are loaded and stored a quarter as
 # often (128 x 32 on arxiv-synth: 9.4 -> 8.0 ms; 32 x 32 is fastest at 16, interleaved)
 TN_BLOCK, TN_BLOCK_LONG = 16, 64
+# floats of row-group sums a matmul keeps in registers under the ``avx2`` tuning (16
+# registers of 8 floats; groups of at most 4 rows; 8 rows of at most 16 columns where x
+# rows hold 256 values or more).  AMD EPYC Zen 3, arxiv-size rows, 2 threads, interleaved runs:
+# 128 -> 32 22.2 -> 12.2 ms with groups of 2 rows, 128 -> 128 72.8 -> 39.9 with 4 rows in
+# 16-column tiles, 40 -> 384 34.4 -> 15.5 (50k rows) likewise, 500 -> 16 12.9 -> 5.9
+# with 8, 128 -> 130 42.3 -> 35.2 one row at a time; the scheduled row-at-a-time kernel
+# kept for short rows into at most 40 columns (32 -> 32, 32 -> 40: even)
+AVX2_ACC_FLOATS = 80
 
 
 def _row_range(n, p, parts: int):
@@ -449,6 +457,13 @@ def _matmul_rows(K: int, M: int, tuning: str) -> int | None:
         while R * vectors > 16:
             R //= 2
         return R if R >= 2 else None
+    if tuning == "avx2":
+        if K < 64 and M % 8 == 0 and M <= 40:
+            return None
+        floats = -(-_matmul_cols(M, tuning) // 8) * 8
+        if K >= 256 and floats <= 16:
+            return 8
+        return max(1, min(4, AVX2_ACC_FLOATS // floats))
     if not (K >= 256 or (K >= 128 and M >= 64) or M % 8 != 0):
         return None
     return 8 if M <= 32 else 4 if M < 64 else 2
@@ -462,6 +477,8 @@ def _matmul_cols(M: int, tuning: str) -> int:
     384 -> 128 79 (groups of two rows) -> 63, 128 -> 128 28.7 -> 27.3."""
     if tuning == "avx512" and M > 4 * VEC and M % 64 == 0:
         return 64
+    if tuning == "avx2" and M > 40 and M % 16 == 0:
+        return 16
     return M
 
 
@@ -520,10 +537,20 @@ def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = (),
     return ib.get()
 
 
-def _matmul_tn_tile(K: int, M: int) -> tuple[int, int] | None:
+def _matmul_tn_tile(K: int, M: int, tuning: str = "default") -> tuple[int, int] | None:
     """(rows, columns) of the [K, M] result a register tile holds, dividing K and M, or
     None where the scheduled generic kernel is kept (wide outputs no 64 or 32 columns
-    divide).  Sixteen vector accumulators: 8 x 32 or 4 x 64 columns at 128 x 128."""
+    divide).  With 32 vector registers, sixteen 16-float accumulators: 8 x 32 or 4 x 64
+    columns at 128 x 128.  ``avx2`` (16 registers of 8 floats), at most ten 8-float
+    accumulators (AMD EPYC Zen 3, arxiv-size rows, 2 threads, interleaved runs: 128 x 32
+    32.6 -> 19.7 ms with 2 x 32 (the 8 x 32 tile spilled), 32 x 32 16.2 -> 5.7, 32 x 40
+    15.6 -> 5.5 with 2 x 40, 128 x 128 135 -> 69 with 2 x 32)."""
+    if tuning == "avx2":
+        TB = M if M <= 40 else next((t for t in (32, 16) if M % t == 0), None)
+        if TB is None:
+            return None
+        vectors = -(-TB // 8)
+        return next(t for t in (8, 4, 2, 1) if K % t == 0 and t * vectors <= 10), TB
     TB = M if M <= 64 else next((t for t in (64, 32) if M % t == 0), None)
     if TB is None:
         return None
@@ -532,7 +559,8 @@ def _matmul_tn_tile(K: int, M: int) -> tuple[int, int] | None:
 
 
 @definer("matmul_tn", target="llvm")
-def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = 16, amx: bool = False):
+def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = 16, amx: bool = False,
+              tuning: str = "default"):
     """out = x.T @ y (x: [n, K], y: [n, M]), weight gradients: ``chunks`` row ranges in
     parallel, each into its own partial [K, M] sum, added up at the end (deterministic).
     A range is walked in blocks of ``TN_BLOCK`` rows (``TN_BLOCK_LONG`` for long x rows);
@@ -544,7 +572,7 @@ def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = 16, amx: bool = F
     stored as bfloat16 on a CPU with AMX tiles: the tile kernel (``amx_kernels.py``)."""
     if gpu:
         return None
-    tile = _matmul_tn_tile(K, M)
+    tile = _matmul_tn_tile(K, M, tuning)
     if tile is None:
         return None
     if amx and (stored_bf16("x") or stored_bf16("y")) and amx_kernels.tn_shape(K, M):

@@ -121,18 +121,20 @@ def arg(name: str, shape, dtype: str):
 def cpu_tuning(target: dict | str) -> str:
     """Which measured table sizes the register tiles of the CPU definitions: ``avx512`` for
     CPUs that run 512-bit vectors at full width (Intel's AVX-512 cores: 32 registers of 16
-    floats, two 512-bit multiply-add units), else ``default`` (measured on AMD Zen 4, whose
-    AVX-512 runs as two 256-bit halves; also CPUs without AVX-512).  It chooses loop
-    structures only; the instructions are LLVM's for the target's ``mcpu``."""
+    floats, two 512-bit multiply-add units), ``default`` for AMD's AVX-512 cores (Zen 4 and
+    later: 32 registers, 512-bit vectors run as two 256-bit halves), ``avx2`` for CPUs
+    without AVX-512 (16 registers of 8 floats: tiles sized for 32 registers spill).  It
+    chooses loop structures only; the instructions are LLVM's for the target's ``mcpu``."""
     import tvm
     from tvm.target import codegen
     if isinstance(target, str):
         from gcomp.codegen.build import make_target
         target = make_target(target)
-    if target["kind"] != "llvm" or str(target.get("mcpu", "")).startswith("znver"):
+    if target["kind"] != "llvm":
         return "default"
-    return "avx512" if codegen.target_has_features("avx512f", tvm.target.Target(target)) \
-        else "default"
+    if not codegen.target_has_features("avx512f", tvm.target.Target(target)):
+        return "avx2"
+    return "default" if str(target.get("mcpu", "")).startswith("znver") else "avx512"
 
 
 def has_amx(target: dict) -> bool:
