@@ -36,8 +36,8 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
 from gcomp.codegen import epilogue as epi
-from gcomp.codegen.kernels import arg, definer, stored_bf16  # first: it loads cpu_kernels
-from gcomp.codegen.cpu_kernels import _features, _row_range  # noqa: I001
+from gcomp.codegen.cpu_kernels import _features, _row_range
+from gcomp.codegen.kernels import arg, definer, stored_bf16
 
 ROWS = 16      # rows of an x tile and of a sums tile
 COLS = 16      # float32 columns of a sums tile

@@ -71,6 +71,15 @@ def _freeze(v):
 _DEFINERS = {}  # (kind, target or None) -> definition
 
 
+def _definer_of(kind: str, target: str | None):
+    """The definer registered for ``(kind, target)``, or None.  The definition modules
+    register theirs when imported; they import this module, so they are imported here on
+    first use rather than at its top (any of them may then be imported first)."""
+    from gcomp.codegen import (aggregate_kernel, cpu_kernels, dense_kernels,  # noqa: F401
+                               format_kernels, sparse_kernels)
+    return _DEFINERS.get((kind, target))
+
+
 def definer(kind: str, target: str | None = None):
     def reg(fn):
         _DEFINERS[(kind, target)] = fn
@@ -152,7 +161,7 @@ def target_definition(spec: KernelSpec, target: dict | str):
     A definer with a ``tuning`` parameter gets the target's ``cpu_tuning``, one with an
     ``amx`` parameter whether it ``has_amx``."""
     kind = target if isinstance(target, str) else target["kind"]
-    fn = _DEFINERS.get((spec.kind, kind))
+    fn = _definer_of(spec.kind, kind)
     if fn is None:
         return None
     params = spec.p
@@ -170,7 +179,7 @@ def define(spec: KernelSpec, target: dict | str | None = None):
     func = target_definition(spec, target) if target is not None else None
     if func is not None:
         return func
-    fn = _DEFINERS.get((spec.kind, None))
+    fn = _definer_of(spec.kind, None)
     if fn is None:
         raise CompileError(f"no kernel definition for {spec.kind!r}")
     return _call(fn, spec, spec.p).with_attr("global_symbol", spec.name)
@@ -201,7 +210,3 @@ def param_dtypes(func) -> dict:
     """Argument name -> element dtype of a PrimFunc's buffer arguments."""
     return {p.name: str(p.ty.dtype) for p in func.params if hasattr(p.ty, "dtype")}
 
-
-# importing the definition modules registers them
-from gcomp.codegen import (aggregate_kernel, cpu_kernels, dense_kernels,  # noqa: E402,F401
-                           format_kernels, sparse_kernels)
