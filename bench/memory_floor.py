@@ -31,6 +31,7 @@ import numpy as np
 
 from bench import report
 from bench.env import apply_torch_threads, machine, set_threads, versions
+from bench.protocol import settle
 
 SIZES_MB = (8, 32, 128, 512)
 WIDTHS = (32, 128)
@@ -57,6 +58,11 @@ def copy_bandwidth(size_mb: int, threads: int, reps: int) -> float:
 
 
 def timed(fn, reps: int) -> dict:
+    """Median, best and all times of ``reps`` calls of ``fn``, after one warm-up call and
+    after the previous system's threads went idle: torch's OpenMP threads spin after a
+    call, and on two cores they took the CPU from the next system's threads (gcomp's
+    32-wide aggregation read 15-20 ms instead of 5 right after a torch call)."""
+    settle()
     fn()  # warm-up
     ts = []
     for _ in range(reps):
@@ -143,7 +149,11 @@ def main(argv=None) -> dict:
         b_min = bytes_fixed + n * F * 4
         b_noreuse = bytes_fixed + e * F * 4
         ex, b, kernels = gcomp_aggregate(graph, F)
-        b = ex.feed(b, {"x": x})  # a new binding when x is not the one bound
+        # the kernel reads the fed array in place: first rows starting on cache lines, as
+        # every buffer gcomp allocates (the intermediates a model's later layers gather),
+        # then numpy's own array, 16 bytes past a line (a 32-float row spans 3 lines, not 2)
+        xa = _line_aligned(x)
+        b = ex.feed(b, {"x": xa})  # a new binding when x is not the one bound
         ref = A @ x
         ex.execute(b)
         out = ex.outputs(b)[0]
@@ -155,14 +165,23 @@ def main(argv=None) -> dict:
         calls = aggregation_calls(b)
         with torch.no_grad():
             row["gcomp"] = timed(lambda: [fn(*a) for fn, a in calls], args.reps)
+            row["x_offset"] = x.ctypes.data % 64
+            b = ex.feed(b, {"x": x})
+            ex.execute(b)
+            if not b.reads_callers("x"):
+                raise SystemExit("gcomp copied numpy's array instead of reading it in place")
+            diff = max(diff, float(np.abs(ex.outputs(b)[0] - ref).max() / np.abs(ref).max()))
+            calls_numpy = aggregation_calls(b)
+            row["gcomp_numpy_x"] = timed(lambda: [fn(*a) for fn, a in calls_numpy], args.reps)
             row["scipy"] = timed(lambda: A @ x, args.reps)
             row["torch_sparse_mm"] = timed(lambda: torch.sparse.mm(At, xt), args.reps)
-        for k in ("gcomp", "scipy", "torch_sparse_mm"):
+        for k in ("gcomp", "gcomp_numpy_x", "scipy", "torch_sparse_mm"):
             row[k]["x_floor"] = row[k]["median_ms"] / row["floor_ms"]
         res["aggregation"].append(row)
         print(f"F={F}: {b_min / 1e6:.1f} MB to move -> floor {row['floor_ms']:.2f} ms "
               f"(no reuse {b_noreuse / 1e6:.1f} MB, {row['floor_no_reuse_ms']:.2f} ms); "
-              f"gcomp {row['gcomp']['median_ms']:.2f} ms, scipy {row['scipy']['median_ms']:.2f}, "
+              f"gcomp {row['gcomp']['median_ms']:.2f} ms (numpy's x at {row['x_offset']} "
+              f"bytes past a line: {row['gcomp_numpy_x']['median_ms']:.2f}), scipy {row['scipy']['median_ms']:.2f}, "
               f"torch {row['torch_sparse_mm']['median_ms']:.2f} (diff {diff:.1e} / {tdiff:.1e})",
               flush=True)
         if max(diff, tdiff) > 1e-4:
@@ -184,15 +203,31 @@ def markdown(res: dict) -> str:
            "", f"Floor bandwidth: {fb['gb_s']:.1f} GB/s ({fb['from']}).", "",
            f"Weighted sum aggregation on {g['name']} ({g['nodes']:,} nodes, {g['edges']:,} "
            "edges), median ms (x floor):", "",
-           "| F | MB to move (compulsory / no reuse) | floor ms | gcomp aggregate | scipy (1 thread) "
-           f"| torch.sparse.mm ({res['threads']} threads) |", "|---|---|---|---|---|---|"]
+           "| F | MB to move (compulsory / no reuse) | floor ms | gcomp aggregate | gcomp, x "
+           f"as numpy allocates it | scipy (1 thread) | torch.sparse.mm ({res['threads']} "
+           "threads) |", "|---|---|---|---|---|---|---|"]
     for r in res["aggregation"]:
         cells = [f"{r[k]['median_ms']:.2f} ({r[k]['x_floor']:.1f}x)"
-                 for k in ("gcomp", "scipy", "torch_sparse_mm")]
+                 for k in ("gcomp", "gcomp_numpy_x", "scipy", "torch_sparse_mm")]
         out.append(f"| {r['F']} | {r['bytes_compulsory'] / 1e6:.1f} / {r['bytes_no_reuse'] / 1e6:.1f} "
                    f"| {r['floor_ms']:.2f} (no reuse {r['floor_no_reuse_ms']:.2f}) | "
                    + " | ".join(cells) + " |")
+    out += ["", "gcomp aggregate: x's rows start on 64-byte cache lines, as in every buffer "
+            "gcomp allocates (the values later layers aggregate). Next to it, the caller's "
+            "numpy array read in place, whose first row starts "
+            + ", ".join(sorted({f"{r['x_offset']}" for r in res["aggregation"]}))
+            + " bytes past a line (numpy aligns to 16 bytes), so each row spans one more "
+            "cache line."]
     return "\n".join(out) + "\n"
+
+
+def _line_aligned(x: np.ndarray) -> np.ndarray:
+    """A copy of ``x`` whose first element starts a 64-byte cache line."""
+    raw = np.empty(x.nbytes + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    out = raw[start:start + x.nbytes].view(x.dtype).reshape(x.shape)
+    out[...] = x
+    return out
 
 
 if __name__ == "__main__":

@@ -136,9 +136,17 @@ def _prefetch_line(x, row, col) -> None:
 
 
 def _prefetch(x, row, width: int) -> None:
-    """Prefetch the first lines of ``x[row, :width]``."""
-    for q in range(min((width + VEC - 1) // VEC, PREFETCH_LINES)):
+    """Prefetch the first lines of ``x[row, :width]``: one per 16 floats, and the line of
+    its last value, for a row that does not start on a cache line spans one more (numpy
+    aligns arrays to 16 bytes, and the kernels read the caller's features in place).
+    Weighted sum over arxiv-synth, rows 16 bytes past a line, AMD EPYC Zen 3, interleaved:
+    32 floats 10.3 -> 8.0 ms (aligned rows: 6.1-6.4 either way), 40 floats 15.4 -> 14.0;
+    128 floats unchanged."""
+    lines = (width + VEC - 1) // VEC
+    for q in range(min(lines, PREFETCH_LINES)):
         _prefetch_line(x, row, q * VEC)
+    if lines <= PREFETCH_LINES and width > 1:
+        _prefetch_line(x, row, width - 1)
 
 
 def _prefetch_rows(x, first, rows: int, width: int, n) -> None:
