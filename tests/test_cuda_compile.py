@@ -262,3 +262,20 @@ def test_every_corpus_export_compiles_for_cuda(stem, tmp_path):
     art = compile_model(model, "cuda", train=True)
     assert art.manifest["device_code_format"] == "fatbin"
     check_device_code(art, tmp_path)
+
+
+@pytest.mark.parametrize("M", [160, 192, 256, 384])
+@pytest.mark.parametrize("epilogue", [False, True])
+def test_products_wider_than_128_columns_compile(M, epilogue, tmp_path):
+    """Products into more than half a block of columns (GGNN's GRU gates: 3 x hidden; wide
+    GAT layers): one row of threads per block once left the rows' register sums sized
+    symbolically, which TVM refused ("constant size stack allocation")."""
+    from gcomp.codegen.kernels import KernelSpec
+    from gcomp.schedules.cuda import THREADS
+    kw = {"epilogue": (("bias_add", (), 0, False),), "extras": ("vec",)} if epilogue else {}
+    spec = KernelSpec.make("matmul", K=64, M=M, **kw)
+    path = cuda_build.build_cuda_library({spec.name: spec}, {"kind": "cuda", "arch": "sm_90"},
+                                         tmp_path)
+    dev = cuda_build.inspect_library(path)
+    assert any(k.startswith(f"{spec.name}_kernel") for k in dev["kernels"])
+    assert M > THREADS // 2

@@ -240,8 +240,12 @@ def _matmul(sch, M: int, epilogue: bool) -> None:
     broadcast load per warp, w[k, :] coalesced and reused across the rows)."""
     blk = sch.get_sblock("matmul")
     i, j, k = sch.get_loops(blk)
-    lanes = lanes_for(M)
-    rows_per_block = max(1, THREADS // lanes)
+    # at least two rows of threads per block: with one, the rows' register sums (a
+    # predicated region of 4 rows at the end of the symbolic row axis) were sized
+    # symbolically, which TVM cannot allocate ("constant size stack allocation"), so every
+    # product into more than 128 columns failed to compile
+    lanes = lanes_for(M) if M <= THREADS // 2 else divisor_at_most(M, THREADS // 2)
+    rows_per_block = THREADS // lanes
     io, ii, ir = sch.split(i, [None, rows_per_block, MATMUL_ROWS])
     jo, ji = sch.split(j, [None, lanes])
     sch.reorder(io, jo, ii, ji, k, ir)

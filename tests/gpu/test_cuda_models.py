@@ -1,7 +1,10 @@
 """Every bundled model on a CUDA GPU: forward against the float64 reference interpreter,
 one training step (loss, gradients, updated parameters) against the interpreter and the
-CPU build.  Skipped without a CUDA device; the artifacts may be compiled elsewhere
+CPU build; every PyG export of the ONNX corpus: forward against the interpreter and PyG.  Skipped without a CUDA device; the artifacts may be compiled elsewhere
 (``tests/gpu/conftest.py``)."""
+
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +17,13 @@ from gcomp.passes import training_pipeline
 from gcomp.runtime.synthetic import synthetic_graph
 from gcomp.runtime.trainer import Trainer
 
-MODELS = ["gcn", "sage", "gin", "gat"]
+MODELS = ["gcn", "sage", "gin", "gat", "ggnn"]
+
+
+def build_model(name: str, features: int, hidden: int, **kw):
+    """A bundled model; GGNN's hidden width at least the features it pads to it."""
+    return models.build(name, features, hidden=max(hidden, features) if name == "ggnn" else hidden,
+                        **kw)
 
 
 def first_difference(rows) -> str:
@@ -36,20 +45,21 @@ def check_forward(build, model, graph, tol=1e-4):
     assert err <= tol, (err, first_difference(compare_forward(art, cpu_art, graph)))
     again = art.run(graph)[0]  # the cached binding: same buffers, same answer, bit for bit
     assert np.array_equal(out, again)
+    return out
 
 
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_forward_awkward_graphs(build, name, seed):
     g = awkward_graph(num_nodes=80, num_edges=500, num_features=12, seed=seed)
-    m = models.build(name, 12, hidden=8, out_channels=5, layers=3, heads=3, seed=seed)
+    m = build_model(name, 12, 8, out_channels=5, layers=3, heads=3, seed=seed)
     check_forward(build, m, g)
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_forward_power_law_graph(build, name):
     g = synthetic_graph(20000, 300000, 64, 7, seed=3)  # hub rows, features wider than a warp
-    m = models.build(name, 64, hidden=48, out_channels=7, layers=2, heads=2)
+    m = build_model(name, 64, 48, out_channels=7, layers=2, heads=2)
     check_forward(build, m, g)
 
 
@@ -57,8 +67,24 @@ def test_forward_power_law_graph(build, name):
 def test_forward_graph_without_edges(build, name):
     g = awkward_graph(num_nodes=10, num_edges=20, num_features=4)
     g.edge_index = np.zeros((2, 0), np.int64)  # empty edge tensors: those launches are skipped
-    m = models.build(name, 4, hidden=4, out_channels=2, layers=2, heads=2)
+    m = build_model(name, 4, 4, out_channels=2, layers=2, heads=2)
     check_forward(build, m, g)
+
+
+CORPUS = Path(models.__file__).parent / "onnx"
+
+
+@pytest.mark.parametrize("stem", sorted(p.stem for p in CORPUS.glob("*.onnx")))
+def test_forward_onnx_exports(build, stem):
+    """Every PyG export of the ONNX corpus: forward on the corpus's fixed graph against the
+    interpreter, and against the output PyG itself computed there."""
+    from gcomp.frontend.onnx import import_onnx
+    from gcomp.runtime.data import GraphData
+    fix = np.load(CORPUS / "fixtures.npz")
+    w = fix["edge_weight"] if re.match(r"[a-z]+\d+w_", stem) else None
+    g = GraphData("fixed", fix["x"].shape[0], fix["edge_index"], fix["x"], w)
+    model = import_onnx(CORPUS / f"{stem}.onnx")
+    assert rel_err(check_forward(build, model, g), fix[f"out.{stem}"]) <= 1e-4
 
 
 def labelled(g, C, seed=0):
@@ -74,8 +100,7 @@ def labelled(g, C, seed=0):
 @pytest.mark.parametrize("name", MODELS)
 def test_training_step(build, name, dropout, tol=1e-4):
     g = labelled(awkward_graph(num_nodes=70, num_edges=400, num_features=6, seed=3), 3)
-    m = models.build(name, 6, hidden=8, out_channels=3, layers=3, heads=2, dropout=dropout,
-                     seed=1)
+    m = build_model(name, 6, 8, out_channels=3, layers=3, heads=2, dropout=dropout, seed=1)
     gpu_art, cpu_art = build(m, "cuda", "llvm", train=True)
     gpu, cpu = Trainer(gpu_art, g, seed=2), Trainer(cpu_art, g, seed=2)
     assert gpu.train_ex.device.dlpack_device_type() == 2
