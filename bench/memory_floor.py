@@ -223,9 +223,8 @@ def markdown(res: dict) -> str:
 
 def _line_aligned(x: np.ndarray) -> np.ndarray:
     """A copy of ``x`` whose first element starts a 64-byte cache line."""
-    raw = np.empty(x.nbytes + 64, np.uint8)
-    start = -raw.ctypes.data % 64
-    out = raw[start:start + x.nbytes].view(x.dtype).reshape(x.shape)
+    from gcomp.runtime.executor import _aligned_bytes
+    out = _aligned_bytes(x.nbytes, 64).view(x.dtype).reshape(x.shape)
     out[...] = x
     return out
 

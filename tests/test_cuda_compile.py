@@ -17,6 +17,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from test_onnx import CORPUS, STEMS
 
 import gcomp.models as models
 from gcomp.cli import main
@@ -247,19 +248,14 @@ def test_artifact_loads_with_the_runtime_only(tmp_path):
                       "compiler_lib_mapped": False}
 
 
-
-CORPUS_STEMS = sorted(p.stem for p in (Path(models.__file__).parent / "onnx").glob("*.onnx"))
-
-
-@pytest.mark.parametrize("stem", CORPUS_STEMS)
+@pytest.mark.parametrize("stem", STEMS)
 def test_every_corpus_export_compiles_for_cuda(stem, tmp_path):
     """Each PyG export of the corpus (``models/onnx``: 2 and 3 layers, every exporter and
     opset) compiles for cuda with its training step, every kernel with its own schedule
     and device code for the arch.  (Exports with the same kernels share the cached
     library: nvcc runs once per distinct set.)"""
     from gcomp.frontend.onnx import import_onnx
-    model = import_onnx(Path(models.__file__).parent / "onnx" / f"{stem}.onnx")
-    art = compile_model(model, "cuda", train=True)
+    art = compile_model(import_onnx(CORPUS / f"{stem}.onnx"), "cuda", train=True)
     assert art.manifest["device_code_format"] == "fatbin"
     check_device_code(art, tmp_path)
 

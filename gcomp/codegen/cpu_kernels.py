@@ -545,6 +545,11 @@ def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = (),
     return ib.get()
 
 
+# weight-gradient register tiles per tuning: (widest result kept whole, column tiles of
+# wider ones, floats per vector register, accumulator registers a tile may hold)
+_TN_TILES = {"default": (64, (64, 32), VEC, 16), "avx2": (40, (32, 16), 8, 10)}
+
+
 def _matmul_tn_tile(K: int, M: int, tuning: str = "default") -> tuple[int, int] | None:
     """(rows, columns) of the [K, M] result a register tile holds, dividing K and M, or
     None where the scheduled generic kernel is kept (wide outputs no 64 or 32 columns
@@ -553,17 +558,12 @@ def _matmul_tn_tile(K: int, M: int, tuning: str = "default") -> tuple[int, int] 
     accumulators (AMD EPYC Zen 3, arxiv-size rows, 2 threads, interleaved runs: 128 x 32
     32.6 -> 19.7 ms with 2 x 32 (the 8 x 32 tile spilled), 32 x 32 16.2 -> 5.7, 32 x 40
     15.6 -> 5.5 with 2 x 40, 128 x 128 135 -> 69 with 2 x 32)."""
-    if tuning == "avx2":
-        TB = M if M <= 40 else next((t for t in (32, 16) if M % t == 0), None)
-        if TB is None:
-            return None
-        vectors = -(-TB // 8)
-        return next(t for t in (8, 4, 2, 1) if K % t == 0 and t * vectors <= 10), TB
-    TB = M if M <= 64 else next((t for t in (64, 32) if M % t == 0), None)
+    whole, tiles, width, accumulators = _TN_TILES["avx2" if tuning == "avx2" else "default"]
+    TB = M if M <= whole else next((t for t in tiles if M % t == 0), None)
     if TB is None:
         return None
-    vectors = (TB + VEC - 1) // VEC  # accumulators per result row
-    return next(t for t in (8, 4, 2, 1) if K % t == 0 and t * vectors <= 16), TB
+    vectors = -(-TB // width)  # accumulators per result row
+    return next(t for t in (8, 4, 2, 1) if K % t == 0 and t * vectors <= accumulators), TB
 
 
 @definer("matmul_tn", target="llvm")

@@ -244,7 +244,7 @@ def _matmul(sch, M: int, epilogue: bool) -> None:
     # predicated region of 4 rows at the end of the symbolic row axis) were sized
     # symbolically, which TVM cannot allocate ("constant size stack allocation"), so every
     # product into more than 128 columns failed to compile
-    lanes = lanes_for(M) if M <= THREADS // 2 else divisor_at_most(M, THREADS // 2)
+    lanes = divisor_at_most(M, THREADS // 2)
     rows_per_block = THREADS // lanes
     io, ii, ir = sch.split(i, [None, rows_per_block, MATMUL_ROWS])
     jo, ji = sch.split(j, [None, lanes])

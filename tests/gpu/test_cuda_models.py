@@ -1,14 +1,13 @@
 """Every bundled model on a CUDA GPU: forward against the float64 reference interpreter,
 one training step (loss, gradients, updated parameters) against the interpreter and the
-CPU build; every PyG export of the ONNX corpus: forward against the interpreter and PyG.  Skipped without a CUDA device; the artifacts may be compiled elsewhere
+CPU build; every PyG export of the ONNX corpus: forward against the interpreter and
+PyG.  Skipped without a CUDA device; the artifacts may be compiled elsewhere
 (``tests/gpu/conftest.py``)."""
-
-import re
-from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import awkward_graph, ref_inputs, rel_err
+from test_onnx import CORPUS, FIX, STEMS, fixed_graph
 
 import gcomp.models as models
 from gcomp.debug.compare import compare_forward, compare_training_step
@@ -22,8 +21,9 @@ MODELS = ["gcn", "sage", "gin", "gat", "ggnn"]
 
 def build_model(name: str, features: int, hidden: int, **kw):
     """A bundled model; GGNN's hidden width at least the features it pads to it."""
-    return models.build(name, features, hidden=max(hidden, features) if name == "ggnn" else hidden,
-                        **kw)
+    if name == "ggnn":
+        hidden = max(hidden, features)
+    return models.build(name, features, hidden=hidden, **kw)
 
 
 def first_difference(rows) -> str:
@@ -71,20 +71,13 @@ def test_forward_graph_without_edges(build, name):
     check_forward(build, m, g)
 
 
-CORPUS = Path(models.__file__).parent / "onnx"
-
-
-@pytest.mark.parametrize("stem", sorted(p.stem for p in CORPUS.glob("*.onnx")))
+@pytest.mark.parametrize("stem", STEMS)
 def test_forward_onnx_exports(build, stem):
     """Every PyG export of the ONNX corpus: forward on the corpus's fixed graph against the
     interpreter, and against the output PyG itself computed there."""
     from gcomp.frontend.onnx import import_onnx
-    from gcomp.runtime.data import GraphData
-    fix = np.load(CORPUS / "fixtures.npz")
-    w = fix["edge_weight"] if re.match(r"[a-z]+\d+w_", stem) else None
-    g = GraphData("fixed", fix["x"].shape[0], fix["edge_index"], fix["x"], w)
-    model = import_onnx(CORPUS / f"{stem}.onnx")
-    assert rel_err(check_forward(build, model, g), fix[f"out.{stem}"]) <= 1e-4
+    out = check_forward(build, import_onnx(CORPUS / f"{stem}.onnx"), fixed_graph(stem))
+    assert rel_err(out, FIX[f"out.{stem}"]) <= 1e-4
 
 
 def labelled(g, C, seed=0):
