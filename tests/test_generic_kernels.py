@@ -15,6 +15,7 @@ from gcomp.codegen.kernels import KernelSpec, define
 from gcomp.ir import RefGraph
 from gcomp.ir.interpreter import _attention_grad
 from gcomp.ir.ops import Op
+from gcomp.runtime.graph import hub_split
 
 
 def _graph(n=60, e=300, seed=0):
@@ -76,6 +77,19 @@ def test_attention_kernels(H, C, slope, p):
                   [indptr, indices] + ids[0] + [s_src, s_dst, x, dy] + step, (n, 4 * H))
     grads = _both(KernelSpec.make("attention_grad_src", **params),
                   [cindptr, cindices] + ids[1] + [s_src, x, dy, stats] + step, (n, H * C + H))
+    # the GPU's hub-split forms (rows of more than 4 edges cut into tasks) agree
+    for kind, args, seg, ref in (
+            ("attention_agg", [indptr, indices] + ids[0] + [s_src, s_dst, x] + step, indptr, y),
+            ("attention_grad_dst", [indptr, indices] + ids[0] + [s_src, s_dst, x, dy] + step,
+             indptr, stats),
+            ("attention_grad_src", [cindptr, cindices] + ids[1] + [s_src, x, dy, stats] + step,
+             cindptr, grads)):
+        tasks, hub = hub_split(seg, size=4)
+        assert len(tasks) > 10
+        got = _run(KernelSpec.make(kind, **params, split=True), False, args + [tasks, hub],
+                   ref.shape)
+        np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-6 * max(1, np.abs(ref).max()),
+                                   err_msg=kind)
 
     f64 = [a.astype(np.float64) for a in (x.reshape(n, H, C), s_src, s_dst, dy.reshape(n, H, C))]
     attrs = {"negative_slope": slope, "p": p, "seed": 5}

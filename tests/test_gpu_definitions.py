@@ -9,9 +9,10 @@ import tvm
 from gcomp.codegen.kernels import KernelSpec, define
 
 
-@pytest.mark.parametrize("K,M,n", [(8, 3, 37), (6, 5, 200), (3, 7, 5), (128, 32, 1000)])
+@pytest.mark.parametrize("K,M,n", [(8, 3, 37), (6, 5, 200), (3, 7, 5), (128, 32, 1000),
+                                   (1433, 7, 300), (41, 40, 5000), (602, 41, 90)])
 def test_matmul_tn_gpu_form(K, M, n):
-    spec = KernelSpec.make("matmul_tn", K=K, M=M, gpu=True, chunks=16)
+    spec = KernelSpec.make("matmul_tn", K=K, M=M, gpu=True)
     fn = tvm.compile(tvm.IRModule({spec.name: define(spec)}), target="llvm")[spec.name]
     rng = np.random.default_rng(K)
     x = rng.standard_normal((n, K)).astype(np.float32)
@@ -20,3 +21,20 @@ def test_matmul_tn_gpu_form(K, M, n):
     fn(tvm.runtime.tensor(x), tvm.runtime.tensor(y), out)
     ref = x.astype(np.float64).T @ y.astype(np.float64)
     np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("K", [1, 3, 8, 32, 40, 64, 128, 384, 602, 1433])
+@pytest.mark.parametrize("M", [1, 3, 7, 16, 32, 41, 128, 384])
+def test_matmul_tn_gpu_tiles_are_exact(K, M):
+    """The GPU weight gradient's tiling: every thread split divides its (padded) axis, the
+    padding covers the result, each thread copies whole elements of both staged tiles,
+    and a block fits its threads and shared memory."""
+    from gcomp.codegen.dense_kernels import GPU_TN_SHARED, GPU_TN_THREADS, gpu_tn_tiles
+    t = gpu_tn_tiles(K, M)
+    threads = t.nx * t.ny
+    assert 1 <= threads <= GPU_TN_THREADS and 1 <= t.P <= 1024
+    assert t.BK == t.ta * t.ny and t.Kp % t.BK == 0 and t.Kp >= K and t.Kp - K < t.BK
+    assert t.Mp == t.tb * t.nx and t.Mp >= M and t.Mp - M < t.nx
+    assert (t.R * t.BK) % threads == 0 and (t.R * t.Mp) % threads == 0
+    assert t.R * (t.BK + t.Mp) * 4 <= GPU_TN_SHARED
+    assert threads >= min(64, K * M // 16)  # enough threads to hide the loads' latency

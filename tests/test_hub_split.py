@@ -26,9 +26,10 @@ def test_tasks_cover_exactly_the_long_rows():
         assert mine[0, 0] == g.indptr[i] and mine[-1, 1] == g.indptr[i + 1]
         assert (mine[1:, 0] == mine[:-1, 1]).all()  # contiguous, in edge order
         assert ((mine[:, 1] - mine[:, 0]) <= 16).all() and ((mine[:, 1] > mine[:, 0])).all()
+        assert (mine[:, 2] == i).all()  # the row each piece belongs to
     # no long row: one empty task, so the task nest still launches a block
     t, r = hub_split(np.array([0, 1, 3], np.int64), size=16)
-    assert t.tolist() == [[0, 0]] and r.tolist() == [0, 0, 0]
+    assert t.tolist() == [[0, 0, 0]] and r.tolist() == [0, 0, 0]
 
 
 def _run_split_agg(reduce, weight, indirect, size=8, seed=0):

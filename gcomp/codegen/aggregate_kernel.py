@@ -47,8 +47,8 @@ def _finish(reduce: str, acc, deg):
 def csr_agg(reduce: str, H: int, C: int, weight: str, indirect: bool = False,
             epilogue: tuple = (), extras: tuple = (), split: bool = False):
     """``split`` (the GPU's form, ``gcomp/codegen/hub_split.py``): two more arguments
-    before ``out``, ``tasks`` (int64, t x 2: edge ranges of at most ``graph.HUB_EDGES``
-    edges cut from the rows longer than that) and ``hub`` (int64, n+1: row i's tasks are
+    before ``out``, ``tasks`` (int64, t x 3: edge ranges of at most ``graph.HUB_EDGES``
+    edges cut from the rows longer than that, and their row) and ``hub`` (int64, n+1: row i's tasks are
     hub[i] .. hub[i+1], none for the other rows).  A first nest reduces each task's
     edges into a partial row (``part``, t x F); the row nest then reduces a hub row's
     partials, and the edges of every other row itself, so a hub's work is spread over
@@ -72,7 +72,7 @@ def csr_agg(reduce: str, H: int, C: int, weight: str, indirect: bool = False,
             extra = [arg(f"e{k}", epi.shape(kind, n, F), f32)
                      for k, kind in enumerate(extras)]
             if split:
-                tasks = arg("tasks", (t, 2), "int64")
+                tasks = arg("tasks", (t, 3), "int64")
                 hub = arg("hub", (n + 1,), "int64")
             out = arg("out", (n, F), f32)
 
@@ -152,11 +152,14 @@ def times(v, factor):
     return v if factor is None else v * factor
 
 
-def attention_spec(kind: str, n, m, nnz, H: int, C: int, p: float, extras: tuple = ()) -> list:
+def attention_spec(kind: str, n, m, nnz, H: int, C: int, p: float, extras: tuple = (),
+                   t=None) -> list:
     """The arguments of fused attention kernel ``kind``, in order, as (name, shape, dtype):
     ``attention_agg`` and ``attention_grad_dst`` walk in-edges (CSR: ``m`` source rows),
     ``attention_grad_src`` out-edges (CSC: ``m`` destination rows); with dropout (p > 0)
-    the edges' canonical ids follow the graph arrays and the step counter the tensors."""
+    the edges' canonical ids follow the graph arrays and the step counter the tensors.
+    With ``t`` (the GPU's hub split, ``hub_split.py``) the hub tasks (t x 3) and each
+    row's tasks (n + 1) come before the output."""
     F, f32 = H * C, "float32"
     by_src = kind == "attention_grad_src"
     spec = [("indptr", (n + 1,), "int64"), ("indices", (nnz,), "int32")]
@@ -169,16 +172,21 @@ def attention_spec(kind: str, n, m, nnz, H: int, C: int, p: float, extras: tuple
         spec += [("dy", (n, F), f32)] if kind == "attention_grad_dst" else []
     spec += [("step", (), "int32")] if p else []
     spec += [(f"e{k}", epi.shape(e, n, F), f32) for k, e in enumerate(extras)]
+    spec += [("tasks", (t, 3), "int64"), ("hub", (n + 1,), "int64")] if t is not None else []
     width = {"attention_agg": F, "attention_grad_dst": 4 * H, "attention_grad_src": F + H}
     return spec + [("out", (n, width[kind]), f32)]
 
 
-def attention_buffers(kind: str, H: int, C: int, p: float, extras: tuple = ()):
+def attention_buffers(kind: str, H: int, C: int, p: float, extras: tuple = (),
+                      split: bool = False):
     """Declare fused attention kernel ``kind``'s arguments (``attention_spec``) in the
-    PrimFunc being built: (buffers by name, n, m, nnz)."""
-    n, m, nnz = (tirx.Var(name, "int64") for name in ("n", "m", "nnz"))
-    bufs = {name: arg(name, shape, dt)
-            for name, shape, dt in attention_spec(kind, n, m, nnz, H, C, p, extras)}
+    PrimFunc being built: (buffers by name, n, m, nnz); with ``split``, the number of hub
+    tasks ``t`` is the buffers' entry ``"t"``."""
+    n, m, nnz, t = (tirx.Var(name, "int64") for name in ("n", "m", "nnz", "t"))
+    bufs = {name: arg(name, shape, dt) for name, shape, dt in attention_spec(
+        kind, n, m, nnz, H, C, p, extras, t if split else None)}
+    if split:
+        bufs["t"] = t
     return bufs, n, m, nnz
 
 
@@ -191,7 +199,7 @@ def leaky(v, slope: float):
 
 @definer("attention_agg")
 def attention_agg(H: int, C: int, slope: float, p: float = 0.0, seed: int = 0,
-                  epilogue: tuple = (), extras: tuple = ()):
+                  epilogue: tuple = (), extras: tuple = (), split: bool = False):
     """GAT attention in one kernel (the ``attention_aggregate`` op):
 
         e_j = leaky_relu(s_src[indices[j], h] + s_dst[i, h])   for in-edges j of row i
@@ -204,19 +212,89 @@ def attention_agg(H: int, C: int, slope: float, p: float = 0.0, seed: int = 0,
     over (row, head, channel) like ``csr_agg`` (GPU lanes share a row); the row's
     statistics live in ``stat``, which a schedule puts in registers.
 
+    ``split`` (the GPU's hub split, as ``csr_agg``'s): a first nest runs the same two
+    sweeps over each hub task's edges into a partial row with its own maximum and sum
+    (``part``, ``pstat``); a hub row then merges its tasks' partials, each rescaled by
+    exp(its maximum - the row's), as split-K attention does.
+
     Arguments: indptr, indices, [perm (nnz), with dropout], s_src (m x H), s_dst (n x H),
-    x (m x H*C), [step, with dropout], extras..., out (n x H*C).
+    x (m x H*C), [step, with dropout], extras..., [tasks, hub], out (n x H*C).
     """
     f32 = "float32"
+    neg_inf, zero = tirx.const(NEG_INF, f32), tirx.const(0.0, f32)
     with IRBuilder() as ib:
         with T.prim_func(s_tir=True):
             T.func_name("attention_agg")
             T.func_attr({"tirx.noalias": True})
-            b, n, m, nnz = attention_buffers("attention_agg", H, C, p, extras)
+            b, n, m, nnz = attention_buffers("attention_agg", H, C, p, extras, split)
             indptr, indices, s_src, s_dst, x, out = (b[k] for k in (
                 "indptr", "indices", "s_src", "s_dst", "x", "out"))
             perm, step = b.get("perm"), b.get("step")
             extra = [b[f"e{k}"] for k in range(len(extras))]
+            drop_reads = [perm[0:nnz], step[()]] if p else []
+
+            def sweeps(i, h, f, lo, hi, st, acc, merge=None):
+                """The two sweeps over edges lo..hi of destination i into the maximum
+                ``st(0)``, the sum ``st(1)`` and the weighted row ``acc``; ``merge``:
+                (partials' range, their maximum, sum and row at q) merged in first."""
+                def score(j):
+                    return leaky(s_src[indices[j], h] + s_dst[i, h], slope)
+                st(0, neg_inf)
+                if merge is not None:
+                    qlo, qhi, pmax, psum, prow = merge
+                    with T.serial(qlo, qhi) as q:
+                        st(0, tirx.max(st(0), pmax(q)))
+                with T.serial(lo, hi) as j:
+                    st(0, tirx.max(st(0), score(j)))
+                st(1, zero)
+                acc(zero)
+                if merge is not None:
+                    with T.serial(qlo, qhi) as q:
+                        scale = fast_exp(pmax(q) - st(0))
+                        st(1, st(1) + psum(q) * scale)
+                        acc(acc() + prow(q) * scale)
+                with T.serial(lo, hi) as j:
+                    e = fast_exp(score(j) - st(0))
+                    st(1, st(1) + e)
+                    w = times(e, drop_factor(perm, j, h, H, step, p, seed))
+                    acc(acc() + w * x[indices[j], f])
+
+            def stat_of(buf, idx):
+                def st(k, v=None):
+                    if v is None:
+                        return buf[(*idx, k)]
+                    T.buffer_store(buf, v, [*idx, k])
+                return st
+
+            def cell(buf, idx):
+                def acc(v=None):
+                    if v is None:
+                        return buf[idx]
+                    T.buffer_store(buf, v, idx)
+                return acc
+
+            merge = None
+            if split:
+                t, tasks, hub = b["t"], b["tasks"], b["hub"]
+                part = T.sblock_alloc_buffer((t, H * C), f32)
+                pstat = T.sblock_alloc_buffer((t, H * C, 2), f32)  # per lane: max, sum
+                tstat = T.sblock_alloc_buffer((t, H, C, 2), f32)
+                for buf, name in ((part, "part"), (pstat, "pstat"), (tstat, "tstat")):
+                    IRBuilder.name(name, buf)
+                with T.grid(t, H, C) as (k, h, c):
+                    with T.sblock("task"):
+                        vk = T.axis.spatial(t, k)
+                        vh = T.axis.spatial(H, h)
+                        vc = T.axis.spatial(C, c)
+                        f = vh * C + vc
+                        T.reads(tasks[vk, 0:3], indices[0:nnz], s_src[0:m, vh],
+                                s_dst[0:n, vh], x[0:m, f], *drop_reads)
+                        T.writes(part[vk, f], pstat[vk, f, 0:2], tstat[vk, vh, vc, 0:2])
+                        st = stat_of(tstat, [vk, vh, vc])
+                        sweeps(tasks[vk, 2], vh, f, tasks[vk, 0], tasks[vk, 1], st,
+                               cell(part, [vk, f]))
+                        T.buffer_store(pstat, st(0), [vk, f, 0])
+                        T.buffer_store(pstat, st(1), [vk, f, 1])
             stat = T.sblock_alloc_buffer((n, H, C, 2), f32)
             IRBuilder.name("stat", stat)
             with T.grid(n, H, C) as (i, h, c):
@@ -225,26 +303,20 @@ def attention_agg(H: int, C: int, slope: float, p: float = 0.0, seed: int = 0,
                     vh = T.axis.spatial(H, h)
                     vc = T.axis.spatial(C, c)
                     f = vh * C + vc
-                    T.reads(indptr[vi:vi + 2], indices[0:nnz], s_src[0:m, vh], s_dst[vi, vh],
-                            x[0:m, f], *([perm[0:nnz], step[()]] if p else []))
+                    reads = [indptr[vi:vi + 2], indices[0:nnz], s_src[0:m, vh], s_dst[vi, vh],
+                             x[0:m, f], *drop_reads]
+                    end = indptr[vi + 1]
+                    if split:  # a hub row merges its tasks' partials and walks no edges
+                        reads += [hub[vi:vi + 2], part[0:t, f], pstat[0:t, f, 0:2]]
+                        merge = (hub[vi], hub[vi + 1], lambda q: pstat[q, f, 0],
+                                 lambda q: pstat[q, f, 1], lambda q: part[q, f])
+                        end = tirx.Select(hub[vi + 1] > hub[vi], indptr[vi], end)
+                    T.reads(*reads)
                     T.writes(out[vi, f], stat[vi, vh, vc, 0:2])
-
-                    def score(j):
-                        return leaky(s_src[indices[j], vh] + s_dst[vi, vh], slope)
-                    T.buffer_store(stat, tirx.const(NEG_INF, f32), [vi, vh, vc, 0])
-                    with T.serial(indptr[vi], indptr[vi + 1]) as j:
-                        T.buffer_store(stat, tirx.max(stat[vi, vh, vc, 0], score(j)),
-                                       [vi, vh, vc, 0])
-                    T.buffer_store(stat, tirx.const(0.0, f32), [vi, vh, vc, 1])
-                    T.buffer_store(out, tirx.const(0.0, f32), [vi, f])
-                    with T.serial(indptr[vi], indptr[vi + 1]) as j:
-                        e = fast_exp(score(j) - stat[vi, vh, vc, 0])
-                        T.buffer_store(stat, stat[vi, vh, vc, 1] + e, [vi, vh, vc, 1])
-                        w = times(e, drop_factor(perm, j, vh, H, step, p, seed))
-                        T.buffer_store(out, out[vi, f] + w * x[indices[j], f], [vi, f])
-                    total = stat[vi, vh, vc, 1]
-                    res = tirx.Select(total > tirx.const(0.0, f32), out[vi, f] / total,
-                                      tirx.const(0.0, f32))
+                    st = stat_of(stat, [vi, vh, vc])
+                    sweeps(vi, vh, f, indptr[vi], end, st, cell(out, [vi, f]), merge)
+                    total = st(1)
+                    res = tirx.Select(total > zero, out[vi, f] / total, zero)
                     res = epi.apply(epilogue, res, lambda k: extra[k][epi.index(extras[k], vi, f)])
                     T.buffer_store(out, res, [vi, f])
     return ib.get()
@@ -258,7 +330,8 @@ def slope_factor(z, slope: float):
 
 
 @definer("attention_grad_dst")
-def attention_grad_dst(H: int, C: int, slope: float, p: float = 0.0, seed: int = 0):
+def attention_grad_dst(H: int, C: int, slope: float, p: float = 0.0, seed: int = 0,
+                       split: bool = False):
     """The destination half of fused attention's backward (``attention_grad_dst``): per
     (row i, head h), a sweep over the in-edges for the maximum score, then one that sums
     p_j = exp(e_j - max), p_j g_j, p_j g_j r_j and p_j r_j with g_j = dy_i . x_j, from
@@ -266,17 +339,82 @@ def attention_grad_dst(H: int, C: int, slope: float, p: float = 0.0, seed: int =
     the scores and D = sum p g / l (l = sum p; zeros but s_dst for a row without
     in-edges).  With dropout, g_j is m_j dy_i . x_j (m_j: the coefficient's dropout factor).
 
+    ``split`` (the GPU's hub split): each hub task sums its edges relative to its own
+    maximum (``pstat``: the maximum and the four sums); a hub row merges them rescaled by
+    exp(task maximum - row maximum).
+
     Arguments: indptr, indices, [perm], s_src (m x H), s_dst (n x H), x (m x H*C), dy (n x
-    H*C), [step], out (n x 4H)."""
+    H*C), [step], [tasks, hub], out (n x 4H)."""
     f32 = "float32"
+    zero = tirx.const(0.0, f32)
     with IRBuilder() as ib:
         with T.prim_func(s_tir=True):
             T.func_name("attention_grad_dst")
             T.func_attr({"tirx.noalias": True})
-            b, n, m, nnz = attention_buffers("attention_grad_dst", H, C, p)
+            b, n, m, nnz = attention_buffers("attention_grad_dst", H, C, p, split=split)
             indptr, indices, s_src, s_dst, x, dy, out = (b[k] for k in (
                 "indptr", "indices", "s_src", "s_dst", "x", "dy", "out"))
             perm, step = b.get("perm"), b.get("step")
+            drop_reads = [perm[0:nnz], step[()]] if p else []
+
+            def sums(i, h, lo, hi, st, merge=None):
+                """Edges lo..hi of destination i into ``st``: 0 the maximum score, 1 l,
+                2 sum p g, 3 sum p g r, 4 sum p r (5: scratch for g); ``merge``:
+                (partials' range, partial k at q) merged in first."""
+                def z_of(j):
+                    return s_src[indices[j], h] + s_dst[i, h]
+                st(0, tirx.const(NEG_INF, f32))
+                if merge is not None:
+                    qlo, qhi, part = merge
+                    with T.serial(qlo, qhi) as q:
+                        st(0, tirx.max(st(0), part(q, 0)))
+                with T.serial(lo, hi) as j:
+                    st(0, tirx.max(st(0), leaky(z_of(j), slope)))
+                for k in range(1, 5):
+                    st(k, zero)
+                if merge is not None:
+                    with T.serial(qlo, qhi) as q:
+                        scale = fast_exp(part(q, 0) - st(0))
+                        for k in range(1, 5):
+                            st(k, st(k) + part(q, k) * scale)
+                with T.serial(lo, hi) as j:
+                    st(5, zero)
+                    with T.serial(0, C) as c:
+                        st(5, st(5) + dy[i, h * C + c] * x[indices[j], h * C + c])
+                    st(5, times(st(5), drop_factor(perm, j, h, H, step, p, seed)))
+                    e = fast_exp(leaky(z_of(j), slope) - st(0))
+                    r = slope_factor(z_of(j), slope)
+                    st(1, st(1) + e)
+                    st(2, st(2) + e * st(5))
+                    st(3, st(3) + e * st(5) * r)
+                    st(4, st(4) + e * r)
+
+            def stat_of(buf, idx):
+                def st(k, v=None):
+                    if v is None:
+                        return buf[(*idx, k)]
+                    T.buffer_store(buf, v, [*idx, k])
+                return st
+
+            merge = None
+            if split:
+                t, tasks, hub = b["t"], b["tasks"], b["hub"]
+                pstat = T.sblock_alloc_buffer((t, H, 5), f32)
+                tstat = T.sblock_alloc_buffer((t, H, 6), f32)
+                IRBuilder.name("pstat", pstat)
+                IRBuilder.name("tstat", tstat)
+                with T.grid(t, H) as (k, h):
+                    with T.sblock("task"):
+                        vk = T.axis.spatial(t, k)
+                        vh = T.axis.spatial(H, h)
+                        T.reads(tasks[vk, 0:3], indices[0:nnz], s_src[0:m, vh], s_dst[0:n, vh],
+                                x[0:m, vh * C:vh * C + C], dy[0:n, vh * C:vh * C + C],
+                                *drop_reads)
+                        T.writes(pstat[vk, vh, 0:5], tstat[vk, vh, 0:6])
+                        st = stat_of(tstat, [vk, vh])
+                        sums(tasks[vk, 2], vh, tasks[vk, 0], tasks[vk, 1], st)
+                        for q in range(5):
+                            T.buffer_store(pstat, st(q), [vk, vh, q])
             # per (row, head): max, l, sum p g, sum p g r, sum p r, the dot product
             stat = T.sblock_alloc_buffer((n, H, 6), f32)
             IRBuilder.name("stat", stat)
@@ -284,35 +422,19 @@ def attention_grad_dst(H: int, C: int, slope: float, p: float = 0.0, seed: int =
                 with T.sblock("row"):
                     vi = T.axis.spatial(n, i)
                     vh = T.axis.spatial(H, h)
-                    T.reads(indptr[vi:vi + 2], indices[0:nnz], s_src[0:m, vh], s_dst[vi, vh],
-                            x[0:m, vh * C:vh * C + C], dy[vi, vh * C:vh * C + C],
-                            *([perm[0:nnz], step[()]] if p else []))
+                    reads = [indptr[vi:vi + 2], indices[0:nnz], s_src[0:m, vh], s_dst[vi, vh],
+                             x[0:m, vh * C:vh * C + C], dy[vi, vh * C:vh * C + C], *drop_reads]
+                    end = indptr[vi + 1]
+                    if split:  # a hub row merges its tasks' sums and walks no edges
+                        reads += [hub[vi:vi + 2], pstat[0:t, vh, 0:5]]
+                        merge = (hub[vi], hub[vi + 1], lambda q, k: pstat[q, vh, k])
+                        end = tirx.Select(hub[vi + 1] > hub[vi], indptr[vi], end)
+                    T.reads(*reads)
                     T.writes(out[vi, vh], out[vi, H + vh], out[vi, 2 * H + vh],
                              out[vi, 3 * H + vh], stat[vi, vh, 0:6])
-
-                    def z_of(j):
-                        return s_src[indices[j], vh] + s_dst[vi, vh]
-
-                    def put(k, v):
-                        T.buffer_store(stat, v, [vi, vh, k])
-                    put(0, tirx.const(NEG_INF, f32))
-                    with T.serial(indptr[vi], indptr[vi + 1]) as j:
-                        put(0, tirx.max(stat[vi, vh, 0], leaky(z_of(j), slope)))
-                    for k in range(1, 5):
-                        put(k, tirx.const(0.0, f32))
-                    with T.serial(indptr[vi], indptr[vi + 1]) as j:
-                        put(5, tirx.const(0.0, f32))
-                        with T.serial(0, C) as c:
-                            put(5, stat[vi, vh, 5] + dy[vi, vh * C + c] * x[indices[j], vh * C + c])
-                        put(5, times(stat[vi, vh, 5], drop_factor(perm, j, vh, H, step, p, seed)))
-                        e = fast_exp(leaky(z_of(j), slope) - stat[vi, vh, 0])
-                        r = slope_factor(z_of(j), slope)
-                        put(1, stat[vi, vh, 1] + e)
-                        put(2, stat[vi, vh, 2] + e * stat[vi, vh, 5])
-                        put(3, stat[vi, vh, 3] + e * stat[vi, vh, 5] * r)
-                        put(4, stat[vi, vh, 4] + e * r)
-                    finish_attention_stats(out, vi, vh, H, s_dst[vi, vh],
-                                           lambda k: stat[vi, vh, k])
+                    st = stat_of(stat, [vi, vh])
+                    sums(vi, vh, indptr[vi], end, st, merge)
+                    finish_attention_stats(out, vi, vh, H, s_dst[vi, vh], st)
     return ib.get()
 
 
@@ -332,7 +454,8 @@ def finish_attention_stats(out, i, h, H: int, s_dst, sums) -> None:
 
 
 @definer("attention_grad_src")
-def attention_grad_src(H: int, C: int, slope: float, p: float = 0.0, seed: int = 0):
+def attention_grad_src(H: int, C: int, slope: float, p: float = 0.0, seed: int = 0,
+                       split: bool = False):
     """The source half of fused attention's backward (``attention_grad_src``): per (source
     row j, head h), a sweep over its out-edges (CSC: ``indices`` holds destinations i)
     that recomputes each coefficient a = exp(e - lse_i) from the statistics row of
@@ -340,43 +463,103 @@ def attention_grad_src(H: int, C: int, slope: float, p: float = 0.0, seed: int =
     d s_src[j] = sum a r (dy_i . x_j - D_i) (with dropout: sum a m dy_i and sum a r (m dy_i
     . x_j - D_i)).
 
+    ``split`` (the GPU's hub split): each hub task of out-edges sums its share into a
+    partial row (``part``: its d x and d s_src); a hub row adds its tasks' partials.
+
     Arguments: indptr, indices (CSC), [csc_perm: the canonical id of each CSC slot's edge],
-    s_src (n x H), x (n x H*C), dy (m x H*C), stats (m x 4H), [step], out (n x H*C + H)."""
+    s_src (n x H), x (n x H*C), dy (m x H*C), stats (m x 4H), [step], [tasks, hub], out (n x
+    H*C + H)."""
     F = H * C
     f32 = "float32"
+    zero = tirx.const(0.0, f32)
     with IRBuilder() as ib:
         with T.prim_func(s_tir=True):
             T.func_name("attention_grad_src")
             T.func_attr({"tirx.noalias": True})
-            b, n, m, nnz = attention_buffers("attention_grad_src", H, C, p)
+            b, n, m, nnz = attention_buffers("attention_grad_src", H, C, p, split=split)
             indptr, indices, s_src, x, dy, stats, out = (b[k] for k in (
                 "indptr", "indices", "s_src", "x", "dy", "stats", "out"))
             perm, step = b.get("csc_perm"), b.get("step")
+            drop_reads = [perm[0:nnz], step[()]] if p else []
+
+            def accumulate(j, h, lo, hi, row, st):
+                """Out-edges lo..hi of source j added into ``row`` (its d x at f, its d s_src
+                at F + h) with ``st`` (0: d s_src, 1: the dot product) as scratch."""
+                with T.serial(lo, hi) as k:
+                    d = indices[k]
+                    z = s_src[j, h] + stats[d, H + h]
+                    a = fast_exp(leaky(z, slope) - stats[d, 2 * H + h])
+                    mk = drop_factor(perm, k, h, H, step, p, seed)
+                    st(1, zero)
+                    with T.serial(0, C) as c:
+                        f = h * C + c
+                        st(1, st(1) + dy[d, f] * x[j, f])
+                        row(f, row(f) + times(a, mk) * dy[d, f])
+                    st(0, st(0) + a * slope_factor(z, slope) * (times(st(1), mk)
+                                                                 - stats[d, 3 * H + h]))
+
+            def stat_of(buf, idx):
+                def st(k, v=None):
+                    if v is None:
+                        return buf[(*idx, k)]
+                    T.buffer_store(buf, v, [*idx, k])
+                return st
+
+            def row_of(buf, i):
+                def row(f, v=None):
+                    if v is None:
+                        return buf[i, f]
+                    T.buffer_store(buf, v, [i, f])
+                return row
+
+            if split:
+                t, tasks, hub = b["t"], b["tasks"], b["hub"]
+                part = T.sblock_alloc_buffer((t, F + H), f32)
+                tstat = T.sblock_alloc_buffer((t, H, 2), f32)
+                IRBuilder.name("part", part)
+                IRBuilder.name("tstat", tstat)
+                with T.grid(t, H) as (k, h):
+                    with T.sblock("task"):
+                        vk = T.axis.spatial(t, k)
+                        vh = T.axis.spatial(H, h)
+                        T.reads(tasks[vk, 0:3], indices[0:nnz], s_src[0:n, vh],
+                                x[0:n, vh * C:vh * C + C], dy[0:m, vh * C:vh * C + C],
+                                stats[0:m, 0:4 * H], *drop_reads)
+                        T.writes(part[vk, vh * C:vh * C + C], part[vk, F + vh],
+                                 tstat[vk, vh, 0:2])
+                        st = stat_of(tstat, [vk, vh])
+                        st(0, zero)
+                        with T.serial(0, C) as c:
+                            T.buffer_store(part, zero, [vk, vh * C + c])
+                        accumulate(tasks[vk, 2], vh, tasks[vk, 0], tasks[vk, 1],
+                                   row_of(part, vk), st)
+                        T.buffer_store(part, st(0), [vk, F + vh])
             stat = T.sblock_alloc_buffer((n, H, 2), f32)  # d s_src, the dot product
             IRBuilder.name("stat", stat)
             with T.grid(n, H) as (i, h):
                 with T.sblock("row"):
                     vj = T.axis.spatial(n, i)
                     vh = T.axis.spatial(H, h)
-                    T.reads(indptr[vj:vj + 2], indices[0:nnz], s_src[vj, vh],
-                            x[vj, vh * C:vh * C + C], dy[0:m, vh * C:vh * C + C],
-                            stats[0:m, 0:4 * H], *([perm[0:nnz], step[()]] if p else []))
+                    reads = [indptr[vj:vj + 2], indices[0:nnz], s_src[vj, vh],
+                             x[vj, vh * C:vh * C + C], dy[0:m, vh * C:vh * C + C],
+                             stats[0:m, 0:4 * H], *drop_reads]
+                    end = indptr[vj + 1]
+                    if split:  # a hub row adds its tasks' partials and walks no edges
+                        reads += [hub[vj:vj + 2], part[0:t, vh * C:vh * C + C],
+                                  part[0:t, F + vh]]
+                        end = tirx.Select(hub[vj + 1] > hub[vj], indptr[vj], end)
+                    T.reads(*reads)
                     T.writes(out[vj, vh * C:vh * C + C], out[vj, F + vh], stat[vj, vh, 0:2])
-                    T.buffer_store(stat, tirx.const(0.0, f32), [vj, vh, 0])
+                    st = stat_of(stat, [vj, vh])
+                    st(0, zero)
                     with T.serial(0, C) as c:
-                        T.buffer_store(out, tirx.const(0.0, f32), [vj, vh * C + c])
-                    with T.serial(indptr[vj], indptr[vj + 1]) as k:
-                        d = indices[k]
-                        z = s_src[vj, vh] + stats[d, H + vh]
-                        a = fast_exp(leaky(z, slope) - stats[d, 2 * H + vh])
-                        mk = drop_factor(perm, k, vh, H, step, p, seed)
-                        T.buffer_store(stat, tirx.const(0.0, f32), [vj, vh, 1])
-                        with T.serial(0, C) as c:
-                            f = vh * C + c
-                            T.buffer_store(stat, stat[vj, vh, 1] + dy[d, f] * x[vj, f],
-                                           [vj, vh, 1])
-                            T.buffer_store(out, out[vj, f] + times(a, mk) * dy[d, f], [vj, f])
-                        T.buffer_store(stat, stat[vj, vh, 0] + a * slope_factor(z, slope) * (
-                            times(stat[vj, vh, 1], mk) - stats[d, 3 * H + vh]), [vj, vh, 0])
-                    T.buffer_store(out, stat[vj, vh, 0], [vj, F + vh])
+                        T.buffer_store(out, zero, [vj, vh * C + c])
+                    if split:
+                        with T.serial(hub[vj], hub[vj + 1]) as q:
+                            with T.serial(0, C) as c:
+                                f = vh * C + c
+                                T.buffer_store(out, out[vj, f] + part[q, f], [vj, f])
+                            st(0, st(0) + part[q, F + vh])
+                    accumulate(vj, vh, indptr[vj], end, row_of(out, vj), st)
+                    T.buffer_store(out, st(0), [vj, F + vh])
     return ib.get()

@@ -7,6 +7,9 @@ Shapes in a spec use ``"n"`` for the one symbolic leading axis a kernel sees
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 from tvm import te, tirx
 from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
@@ -347,13 +350,13 @@ def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = CHUNKS):
     """out = x.T @ y (x: [n, K], y: [n, M]): weight gradients.
 
     The rows are cut into ``chunks`` contiguous ranges reduced in parallel into partial
-    [K, M] sums, then added up: no atomics, deterministic.  ``gpu``: one spatial block
-    per partial-sum element (chunk, a, b) looping over its chunk's rows, for GPU threads.
-    The CPU form is a reduction block over each chunk's rows that the CPU schedule tiles
-    so a few rows of the [K, M] partial sum stay in vector registers.
+    [K, M] sums, then added up: no atomics, deterministic.  The CPU form is a reduction
+    block over each chunk's rows that the CPU schedule tiles so a few rows of the [K, M]
+    partial sum stay in vector registers.  ``gpu``: the tiled form of ``_matmul_tn_gpu``
+    (its chunks come from ``gpu_tn_tiles``).
     """
     if gpu:
-        return _matmul_tn_gpu(K, M, chunks)
+        return _matmul_tn_gpu(K, M, gpu_tn_tiles(K, M))
     P = chunks
     n = te.var("n", "int64")
     x = te.placeholder((n, K), "float32", name="x")
@@ -371,32 +374,99 @@ def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = CHUNKS):
     return te.create_prim_func([x, y, out])
 
 
-def _matmul_tn_gpu(K: int, M: int, P: int):
-    @T.prim_func(s_tir=True)
-    def k(x_h: T.handle, y_h: T.handle, out_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        n = T.int64()
-        x = T.match_buffer(x_h, (n, K), "float32", align=4)
-        y = T.match_buffer(y_h, (n, M), "float32", align=4)
-        out = T.match_buffer(out_h, (K, M), "float32", align=4)
-        part = T.sblock_alloc_buffer((P, K, M), "float32")
-        for p, a, b in T.grid(P, K, M):
-            with T.sblock("part"):
-                vp, va, vb = T.axis.remap("SSS", [p, a, b])
-                T.reads(x[0:n, va], y[0:n, vb])
-                T.writes(part[vp, va, vb])
-                part[vp, va, vb] = T.float32(0)
-                for i in range(vp * n // P, (vp + 1) * n // P):
-                    part[vp, va, vb] = part[vp, va, vb] + x[i, va] * y[i, vb]
-        for a, b in T.grid(K, M):
-            with T.sblock("sum"):
-                va, vb = T.axis.remap("SS", [a, b])
-                T.reads(part[0:P, va, vb])
-                T.writes(out[va, vb])
-                out[va, vb] = T.float32(0)
-                for q in range(P):
-                    out[va, vb] = out[va, vb] + part[q, va, vb]
-    return k
+@dataclass(frozen=True)
+class TnTiles:
+    """How the GPU form of ``matmul_tn`` cuts its work (``gpu_tn_tiles``): a thread block
+    of ``ny`` x ``nx`` threads owns a [BK, Mp] slice of one chunk's partial sum, each
+    thread ``ta`` rows by ``tb`` columns of it (columns ``nx`` apart, so a warp reads
+    neighbouring floats); the block stages ``R`` rows of x and y at a time in shared
+    memory; ``P`` chunks of rows.  The partial sums are padded to [Kp, Mp] (multiples of
+    BK and of tb * nx): padding reads as zero and is never summed into the result."""
+    ta: int
+    tb: int
+    nx: int
+    ny: int
+    BK: int
+    R: int
+    P: int
+    Kp: int
+    Mp: int
+
+
+GPU_TN_THREADS = 256  # threads per block at most
+GPU_TN_GRID = 264 * 256  # threads in flight to aim for: two full blocks per H100 SM
+GPU_TN_SHARED = 40 * 1024  # bytes of staged rows per block (the static limit is 48 KiB)
+
+
+def _round_up(v: int, m: int) -> int:
+    return -(-v // m) * m
+
+
+def _thread_rows(K: int, ta: int, nx: int) -> set[int]:
+    """Candidate rows of threads: as many as fit beside ``nx`` columns (or K needs), and
+    the powers of two below (fewer rows let a narrow y tile be copied whole)."""
+    most = max(1, min(GPU_TN_THREADS // nx, -(-K // ta)))
+    return {most} | {d for d in (1, 2, 4, 8, 16, 32, 64, 128) if d < most}
+
+
+def gpu_tn_tiles(K: int, M: int) -> TnTiles:
+    """The tiling of the GPU ``matmul_tn`` for a [K, M] result.  Every split divides its
+    (padded) axis exactly: TVM 0.27 drops the bound check of a register write-back under a
+    split that does not divide.  Preferred: at least 128 threads per block where the
+    result has that many elements, then up to 16 results per thread (each staged value of
+    x feeds ``tb`` products, each of y ``ta``) less the work spent on padding, then more
+    threads."""
+    best = None
+    for tb in range(1, 9):
+        nx = -(-M // tb)
+        if nx > GPU_TN_THREADS or (tb > 1 and -(-M // (tb - 1)) == nx):
+            continue  # too wide, or the same threads as a smaller tile with more padding
+        for ta, ny in ((ta, ny) for ta in range(1, 9) for ny in _thread_rows(K, ta, nx)):
+            threads, BK = nx * ny, ta * ny
+            Kp, Mp = _round_up(K, BK), tb * nx
+            # staged rows: each thread copies whole elements of both tiles
+            R = math.lcm(threads // math.gcd(threads, BK), threads // math.gcd(threads, Mp))
+            R *= -(-16 // R) if R < 16 else 1
+            if R * (BK + Mp) * 4 > GPU_TN_SHARED:
+                continue
+            useful = K * M / (Kp * Mp)
+            key = (min(threads, 128), round(min(ta * tb, 16) * useful, 1), threads)
+            if best is None or key > best[0]:
+                best = (key, (ta, tb, nx, ny, BK, R, Kp, Mp))
+    if best is None:
+        raise ValueError(f"no GPU tiling of a {K} x {M} weight gradient")
+    ta, tb, nx, ny, BK, R, Kp, Mp = best[1]
+    P = max(1, min(1024, GPU_TN_GRID // (nx * ny) // (Kp // BK)))
+    return TnTiles(ta, tb, nx, ny, BK, R, P, Kp, Mp)
+
+
+def _matmul_tn_gpu(K: int, M: int, tiles: TnTiles):
+    """Chunk p of the rows is walked ``R`` rows at a time (``t``); the staged copies
+    ``xs`` and ``ys`` read zero past the last row and the last column, so the product
+    needs no bound check.  The partial sums are laid out [P, Kp, Mp / nx, nx] so that
+    the columns one thread owns (``nx`` apart) form an exact box: its register tile is
+    written back whole."""
+    P, R, nx, Kp, Mp = tiles.P, tiles.R, tiles.nx, tiles.Kp, tiles.Mp
+    n = te.var("n", "int64")
+    x = te.placeholder((n, K), "float32", name="x")
+    y = te.placeholder((n, M), "float32", name="y")
+    steps = (n + P * R - 1) // (P * R)  # staged tiles per chunk
+
+    def row(p, t, r):
+        return (p * steps + t) * R + r
+
+    def staged(src, width, padded, name):
+        return te.compute((P, steps, R, padded), lambda p, t, r, a: tirx.if_then_else(
+            tirx.all(row(p, t, r) < n, a < width), src[row(p, t, r), a], _f32(0)), name=name)
+    xs, ys = staged(x, K, Kp, "xs"), staged(y, M, Mp, "ys")
+    t = te.reduce_axis((0, steps), name="t")
+    r = te.reduce_axis((0, R), name="r")
+    part = te.compute((P, Kp, Mp // nx, nx), lambda p, a, u, v: te.sum(
+        xs[p, t, r, a] * ys[p, t, r, u * nx + v], axis=[t, r]), name="part")
+    q = te.reduce_axis((0, P), name="q")
+    out = te.compute((K, M), lambda a, b: te.sum(part[q, a, b // nx, b % nx], axis=q),
+                     name="sum")
+    return te.create_prim_func([x, y, out])
 
 
 @definer("colsum")

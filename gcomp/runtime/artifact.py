@@ -31,7 +31,7 @@ import numpy as np
 from gcomp import __version__
 from gcomp.errors import ArtifactError
 from gcomp.runtime.cpu_features import enable_amx
-from gcomp.runtime.plan import PLAN_VERSION, Plan
+from gcomp.runtime.plan import HUB_TASKS_VERSION, PLAN_VERSION, Plan
 
 FORMAT = "gcomp-artifact"
 FORMAT_VERSION = 1
@@ -287,6 +287,13 @@ def load(path: str | Path) -> Artifact:
     plan = Plan.from_json(json.loads(data["plan.json"]))
     train_plan = (Plan.from_json(json.loads(data["train_plan.json"]))
                   if "train_plan.json" in data else None)
+    if plan_version < HUB_TASKS_VERSION and any(
+            a.get("array", "").endswith("hub_tasks") for p in (plan, train_plan) if p
+            for s in p.bind_steps + p.feed_steps + p.steps for a in s["args"]):
+        raise ArtifactError(f"{str(path)!r} holds a plan of version {plan_version}, whose GPU "
+                            "kernels read hub tasks without their row; this gcomp "
+                            f"({__version__}) binds graphs for version {PLAN_VERSION}: recompile "
+                            "the model")
     with np.load(io.BytesIO(data["params.npz"]), allow_pickle=False) as z:
         params = {k: np.array(z[k], dtype=np.float32) for k in z.files}
     ir = {n[3:-3]: data[n].decode() for n in data if n.startswith("ir/")}

@@ -38,19 +38,21 @@ HUB_EDGES = 128  # a GPU thread's longest edge loop in an aggregation (hub_split
 
 
 def hub_split(indptr: np.ndarray, size: int = HUB_EDGES) -> tuple[np.ndarray, np.ndarray]:
-    """(tasks, rows): ``tasks`` (int64, t x 2) the edge ranges [start, end) that cut each
-    row of more than ``size`` edges into pieces of ``size`` (the last one shorter);
-    ``rows`` (int64, n+1) row i's tasks, ``rows[i]`` to ``rows[i+1]`` (none for shorter
-    rows).  With no such row, one empty task (a kernel launch needs one thread block)."""
+    """(tasks, rows): ``tasks`` (int64, t x 3) the edge ranges [start, end) that cut each
+    row of more than ``size`` edges into pieces of ``size`` (the last one shorter), and
+    the row each piece belongs to (GAT's attention needs it: its scores read the row's
+    own term); ``rows`` (int64, n+1) row i's tasks, ``rows[i]`` to ``rows[i+1]`` (none
+    for shorter rows).  With no such row, one empty task (a kernel launch needs one
+    thread block)."""
     deg = np.diff(indptr)
     k = np.where(deg > size, -(-deg // size), 0)
     rows = np.concatenate([[0], np.cumsum(k)]).astype(np.int64)
     if rows[-1] == 0:
-        return np.zeros((1, 2), np.int64), rows
+        return np.zeros((1, 3), np.int64), rows
     row_of = np.repeat(np.arange(len(deg)), k)
     start = indptr[row_of] + (np.arange(rows[-1]) - rows[row_of]) * size
     end = np.minimum(start + size, indptr[row_of + 1])
-    return np.stack([start, end], axis=1).astype(np.int64), rows
+    return np.stack([start, end, row_of], axis=1).astype(np.int64), rows
 
 
 class GraphStructure:

@@ -56,7 +56,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-PLAN_VERSION = 2  # 2: feed_steps, feed kernels, variants of computed values (1 still runs)
+PLAN_VERSION = 3  # 2: feed_steps, feed kernels, variants of computed values (1 still runs)
+#                    3: the GPU's hub tasks carry their row (t x 3; 2 still runs on the CPU)
+HUB_TASKS_VERSION = 3  # the first plan version whose kernels read t x 3 hub tasks
 FEED_PARTS = 64  # row ranges of an input's feed kernel, each with a flag in its output
 NONFINITE = 0x7F800000  # a flag whose range holds a NaN or an infinity (float exponent bits)
 GRAPH_ARRAYS = ("indptr", "indices", "rows", "perm", "csc_indptr", "csc_indices", "csc_eid",
