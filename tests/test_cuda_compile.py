@@ -17,7 +17,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from test_onnx import CORPUS, STEMS
+from corpus import CORPUS, STEMS
 
 import gcomp.models as models
 from gcomp.cli import main

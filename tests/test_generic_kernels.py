@@ -8,7 +8,6 @@ the interpreter's float64 values where the op has them."""
 
 import numpy as np
 import pytest
-import scipy.sparse as sp
 import tvm
 
 from gcomp.codegen.kernels import KernelSpec, define

@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 import pytest
 from conftest import awkward_graph, rel_err
+from corpus import CORPUS, FIX, STEMS, fixed_graph, parse_stem
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
@@ -29,26 +30,10 @@ from gcomp.model import Model
 from gcomp.runtime.data import GraphData, load_graph
 from gcomp.runtime.trainer import Trainer
 
-CORPUS = Path(models.__file__).parent / "onnx"
-FIX = np.load(CORPUS / "fixtures.npz")
-STEMS = sorted(p.stem for p in CORPUS.glob("*.onnx"))
-
-
 @functools.lru_cache(maxsize=None)
 def compiled(stem: str):
     model = import_onnx(CORPUS / f"{stem}.onnx")
     return model, compile_model(model)
-
-
-def _parse(stem: str):
-    """``gcn2w_opset18`` -> ("gcn", 2, True): layer type, layers, takes edge weights."""
-    kind, layers, w = re.match(r"([a-z]+)(\d+)(w?)_", stem).groups()
-    return kind, int(layers), bool(w)
-
-
-def fixed_graph(stem: str) -> GraphData:
-    w = FIX["edge_weight"] if _parse(stem)[2] else None
-    return GraphData("fixed", FIX["x"].shape[0], FIX["edge_index"], FIX["x"], w)
 
 
 def test_corpus_covers_every_layer_exporter_and_opset():
@@ -96,7 +81,7 @@ def _pyg_net(stem):
     """The PyG module the corpus file was exported from (skip if this torch makes others)."""
     pytest.importorskip("torch_geometric", reason="PyG parity needs torch-geometric")
     from gcomp.models.export_onnx import build
-    kind, layers, _ = _parse(stem)
+    kind, layers, _ = parse_stem(stem)
     net = build(kind, layers)
     if rel_err(_pyg_out(net, fixed_graph(stem)), FIX[f"out.{stem}"]) > 1e-5:
         pytest.skip("this torch version initializes the corpus models differently")
@@ -115,7 +100,7 @@ def _pyg_out(net, g: GraphData):
 def test_pyg_parity_on_awkward_and_cora_graphs(stem):
     net = _pyg_net(stem)
     _, art = compiled(stem)
-    weighted = _parse(stem)[2]
+    weighted = parse_stem(stem)[2]
     cora = load_graph("cora")
     rng = np.random.default_rng(0)
     x = rng.standard_normal((cora.num_nodes, 16)).astype(np.float32)
@@ -215,7 +200,7 @@ def _labelled(g: GraphData, classes: int) -> GraphData:
                                   "gcn2w_opset18"])
 def test_imported_model_trains_like_the_bundled_model(stem):
     imported = import_onnx(CORPUS / f"{stem}.onnx")
-    name, layers, weighted = _parse(stem)
+    name, layers, weighted = parse_stem(stem)
     bundled = models.build(name, 16, hidden=8, out_channels=4, layers=layers,
                            edge_weight=weighted)
     # the same weights in the bundled model (dynamo keeps torch's [out, in] layout)

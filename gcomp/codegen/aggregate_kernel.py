@@ -339,28 +339,89 @@ def attention_grad_dst(H: int, C: int, slope: float, p: float = 0.0, seed: int =
     the scores and D = sum p g / l (l = sum p; zeros but s_dst for a row without
     in-edges).  With dropout, g_j is m_j dy_i . x_j (m_j: the coefficient's dropout factor).
 
-    ``split`` (the GPU's hub split): each hub task sums its edges relative to its own
-    maximum (``pstat``: the maximum and the four sums); a hub row merges them rescaled by
-    exp(task maximum - row maximum).
+    ``split``: the GPU's form, ``_attention_grad_dst_lanes``.
 
     Arguments: indptr, indices, [perm], s_src (m x H), s_dst (n x H), x (m x H*C), dy (n x
     H*C), [step], [tasks, hub], out (n x 4H)."""
+    if split:
+        return _attention_grad_dst_lanes(H, C, slope, p, seed)
+    f32 = "float32"
+    with IRBuilder() as ib:
+        with T.prim_func(s_tir=True):
+            T.func_name("attention_grad_dst")
+            T.func_attr({"tirx.noalias": True})
+            b, n, m, nnz = attention_buffers("attention_grad_dst", H, C, p)
+            indptr, indices, s_src, s_dst, x, dy, out = (b[k] for k in (
+                "indptr", "indices", "s_src", "s_dst", "x", "dy", "out"))
+            perm, step = b.get("perm"), b.get("step")
+            # per (row, head): max, l, sum p g, sum p g r, sum p r, the dot product
+            stat = T.sblock_alloc_buffer((n, H, 6), f32)
+            IRBuilder.name("stat", stat)
+            with T.grid(n, H) as (i, h):
+                with T.sblock("row"):
+                    vi = T.axis.spatial(n, i)
+                    vh = T.axis.spatial(H, h)
+                    T.reads(indptr[vi:vi + 2], indices[0:nnz], s_src[0:m, vh], s_dst[vi, vh],
+                            x[0:m, vh * C:vh * C + C], dy[vi, vh * C:vh * C + C],
+                            *([perm[0:nnz], step[()]] if p else []))
+                    T.writes(out[vi, vh], out[vi, H + vh], out[vi, 2 * H + vh],
+                             out[vi, 3 * H + vh], stat[vi, vh, 0:6])
+
+                    def z_of(j):
+                        return s_src[indices[j], vh] + s_dst[vi, vh]
+
+                    def put(k, v):
+                        T.buffer_store(stat, v, [vi, vh, k])
+                    put(0, tirx.const(NEG_INF, f32))
+                    with T.serial(indptr[vi], indptr[vi + 1]) as j:
+                        put(0, tirx.max(stat[vi, vh, 0], leaky(z_of(j), slope)))
+                    for k in range(1, 5):
+                        put(k, tirx.const(0.0, f32))
+                    with T.serial(indptr[vi], indptr[vi + 1]) as j:
+                        put(5, tirx.const(0.0, f32))
+                        with T.serial(0, C) as c:
+                            put(5, stat[vi, vh, 5] + dy[vi, vh * C + c] * x[indices[j], vh * C + c])
+                        put(5, times(stat[vi, vh, 5], drop_factor(perm, j, vh, H, step, p, seed)))
+                        e = fast_exp(leaky(z_of(j), slope) - stat[vi, vh, 0])
+                        r = slope_factor(z_of(j), slope)
+                        put(1, stat[vi, vh, 1] + e)
+                        put(2, stat[vi, vh, 2] + e * stat[vi, vh, 5])
+                        put(3, stat[vi, vh, 3] + e * stat[vi, vh, 5] * r)
+                        put(4, stat[vi, vh, 4] + e * r)
+                    finish_attention_stats(out, vi, vh, H, s_dst[vi, vh],
+                                           lambda k: stat[vi, vh, k])
+    return ib.get()
+
+
+def _attention_grad_dst_lanes(H: int, C: int, slope: float, p: float, seed: int):
+    """The GPU's ``attention_grad_dst``: a thread per (row, head, channel).  The per-edge
+    dot products leave the edge loop, as sums over edges of x_j are linear:
+
+        sum_j p m g = dy_i . A_i,  A_i = sum_j p m x_j;   sum_j p m g r = dy_i . B_i,
+        B_i = sum_j p m r x_j
+
+    so each lane sums its channel of A and B and, redundantly across a head's lanes, the
+    maximum, l and sum p r.  Lane c stores dy_i[c] A_i[c] and dy_i[c] B_i[c] (``g``),
+    lane 0 the head's scalars (``sc``), and a last nest adds a head's C products and
+    finishes the statistics.  Hub tasks sum relative to their own maximum into partials
+    that a hub row merges rescaled by exp(task maximum - row maximum)."""
+    F = H * C
     f32 = "float32"
     zero = tirx.const(0.0, f32)
     with IRBuilder() as ib:
         with T.prim_func(s_tir=True):
             T.func_name("attention_grad_dst")
             T.func_attr({"tirx.noalias": True})
-            b, n, m, nnz = attention_buffers("attention_grad_dst", H, C, p, split=split)
-            indptr, indices, s_src, s_dst, x, dy, out = (b[k] for k in (
-                "indptr", "indices", "s_src", "s_dst", "x", "dy", "out"))
+            b, n, m, nnz = attention_buffers("attention_grad_dst", H, C, p, split=True)
+            indptr, indices, s_src, s_dst, x, dy, out, t, tasks, hub = (b[k] for k in (
+                "indptr", "indices", "s_src", "s_dst", "x", "dy", "out", "t", "tasks", "hub"))
             perm, step = b.get("perm"), b.get("step")
-            drop_reads = [perm[0:nnz], step[()]] if p else []
+            edge_reads = [indices[0:nnz], s_src[0:m, 0:H], x[0:m, 0:F],
+                          *([perm[0:nnz], step[()]] if p else [])]
 
-            def sums(i, h, lo, hi, st, merge=None):
-                """Edges lo..hi of destination i into ``st``: 0 the maximum score, 1 l,
-                2 sum p g, 3 sum p g r, 4 sum p r (5: scratch for g); ``merge``:
-                (partials' range, partial k at q) merged in first."""
+            def sums(i, h, f, lo, hi, st, merge=None):
+                """Edges lo..hi of destination i into st: 0 the maximum score, 1 l, 2 sum
+                p r, 3 A, 4 B (channel f); ``merge``: (partials' range, partial k at q)."""
                 def z_of(j):
                     return s_src[indices[j], h] + s_dst[i, h]
                 st(0, tirx.const(NEG_INF, f32))
@@ -378,63 +439,78 @@ def attention_grad_dst(H: int, C: int, slope: float, p: float = 0.0, seed: int =
                         for k in range(1, 5):
                             st(k, st(k) + part(q, k) * scale)
                 with T.serial(lo, hi) as j:
-                    st(5, zero)
-                    with T.serial(0, C) as c:
-                        st(5, st(5) + dy[i, h * C + c] * x[indices[j], h * C + c])
-                    st(5, times(st(5), drop_factor(perm, j, h, H, step, p, seed)))
                     e = fast_exp(leaky(z_of(j), slope) - st(0))
                     r = slope_factor(z_of(j), slope)
+                    em = times(e, drop_factor(perm, j, h, H, step, p, seed))
                     st(1, st(1) + e)
-                    st(2, st(2) + e * st(5))
-                    st(3, st(3) + e * st(5) * r)
-                    st(4, st(4) + e * r)
+                    st(2, st(2) + e * r)
+                    st(3, st(3) + em * x[indices[j], f])
+                    st(4, st(4) + em * r * x[indices[j], f])
 
-            def stat_of(buf, idx):
+            def cells(buf, idx):
                 def st(k, v=None):
                     if v is None:
                         return buf[(*idx, k)]
                     T.buffer_store(buf, v, [*idx, k])
                 return st
 
-            merge = None
-            if split:
-                t, tasks, hub = b["t"], b["tasks"], b["hub"]
-                pstat = T.sblock_alloc_buffer((t, H, 5), f32)
-                tstat = T.sblock_alloc_buffer((t, H, 6), f32)
-                IRBuilder.name("pstat", pstat)
-                IRBuilder.name("tstat", tstat)
-                with T.grid(t, H) as (k, h):
-                    with T.sblock("task"):
-                        vk = T.axis.spatial(t, k)
-                        vh = T.axis.spatial(H, h)
-                        T.reads(tasks[vk, 0:3], indices[0:nnz], s_src[0:m, vh], s_dst[0:n, vh],
-                                x[0:m, vh * C:vh * C + C], dy[0:n, vh * C:vh * C + C],
-                                *drop_reads)
-                        T.writes(pstat[vk, vh, 0:5], tstat[vk, vh, 0:6])
-                        st = stat_of(tstat, [vk, vh])
-                        sums(tasks[vk, 2], vh, tasks[vk, 0], tasks[vk, 1], st)
-                        for q in range(5):
-                            T.buffer_store(pstat, st(q), [vk, vh, q])
-            # per (row, head): max, l, sum p g, sum p g r, sum p r, the dot product
-            stat = T.sblock_alloc_buffer((n, H, 6), f32)
-            IRBuilder.name("stat", stat)
-            with T.grid(n, H) as (i, h):
+            part = T.sblock_alloc_buffer((t, F, 5), f32)
+            tstat = T.sblock_alloc_buffer((t, H, C, 5), f32)
+            stat = T.sblock_alloc_buffer((n, H, C, 5), f32)
+            g = T.sblock_alloc_buffer((n, F, 2), f32)
+            sc = T.sblock_alloc_buffer((n, H, 3), f32)
+            for buf, name in ((part, "part"), (tstat, "tstat"), (stat, "stat"), (g, "g"),
+                              (sc, "sc")):
+                IRBuilder.name(name, buf)
+            with T.grid(t, H, C) as (k, h, c):
+                with T.sblock("task"):
+                    vk = T.axis.spatial(t, k)
+                    vh = T.axis.spatial(H, h)
+                    vc = T.axis.spatial(C, c)
+                    f = vh * C + vc
+                    T.reads(tasks[vk, 0:3], s_dst[0:n, vh], *edge_reads)
+                    T.writes(part[vk, f, 0:5], tstat[vk, vh, vc, 0:5])
+                    st = cells(tstat, [vk, vh, vc])
+                    sums(tasks[vk, 2], vh, f, tasks[vk, 0], tasks[vk, 1], st)
+                    for q in range(5):
+                        T.buffer_store(part, st(q), [vk, f, q])
+            with T.grid(n, H, C) as (i, h, c):
                 with T.sblock("row"):
                     vi = T.axis.spatial(n, i)
                     vh = T.axis.spatial(H, h)
-                    reads = [indptr[vi:vi + 2], indices[0:nnz], s_src[0:m, vh], s_dst[vi, vh],
-                             x[0:m, vh * C:vh * C + C], dy[vi, vh * C:vh * C + C], *drop_reads]
-                    end = indptr[vi + 1]
-                    if split:  # a hub row merges its tasks' sums and walks no edges
-                        reads += [hub[vi:vi + 2], pstat[0:t, vh, 0:5]]
-                        merge = (hub[vi], hub[vi + 1], lambda q, k: pstat[q, vh, k])
-                        end = tirx.Select(hub[vi + 1] > hub[vi], indptr[vi], end)
-                    T.reads(*reads)
+                    vc = T.axis.spatial(C, c)
+                    f = vh * C + vc
+                    T.reads(indptr[vi:vi + 2], hub[vi:vi + 2], part[0:t, f, 0:5], s_dst[vi, vh],
+                            dy[vi, f], *edge_reads)
+                    T.writes(g[vi, f, 0:2], sc[vi, vh, 0:3], stat[vi, vh, vc, 0:5])
+                    st = cells(stat, [vi, vh, vc])
+                    end = tirx.Select(hub[vi + 1] > hub[vi], indptr[vi], indptr[vi + 1])
+                    sums(vi, vh, f, indptr[vi], end, st,
+                         (hub[vi], hub[vi + 1], lambda q, k: part[q, f, k]))
+                    T.buffer_store(g, dy[vi, f] * st(3), [vi, f, 0])
+                    T.buffer_store(g, dy[vi, f] * st(4), [vi, f, 1])
+                    with T.If(vc == 0):
+                        with T.Then():
+                            for q in range(3):
+                                T.buffer_store(sc, st(q), [vi, vh, q])
+            with T.grid(n, H) as (i, h):
+                with T.sblock("finish"):
+                    vi = T.axis.spatial(n, i)
+                    vh = T.axis.spatial(H, h)
+                    T.reads(g[vi, vh * C:vh * C + C, 0:2], sc[vi, vh, 0:3], s_dst[vi, vh])
                     T.writes(out[vi, vh], out[vi, H + vh], out[vi, 2 * H + vh],
-                             out[vi, 3 * H + vh], stat[vi, vh, 0:6])
-                    st = stat_of(stat, [vi, vh])
-                    sums(vi, vh, indptr[vi], end, st, merge)
-                    finish_attention_stats(out, vi, vh, H, s_dst[vi, vh], st)
+                             out[vi, 3 * H + vh])
+                    # sums(k) as finish_attention_stats reads them: max, l, sum p g,
+                    # sum p g r, sum p r
+                    tot = T.sblock_alloc_buffer((2,), f32, scope="local")
+                    IRBuilder.name("tot", tot)
+                    for q in range(2):
+                        T.buffer_store(tot, zero, [q])
+                    with T.serial(0, C) as c:
+                        for q in range(2):
+                            T.buffer_store(tot, tot[q] + g[vi, vh * C + c, q], [q])
+                    finish_attention_stats(out, vi, vh, H, s_dst[vi, vh], lambda k: (
+                        sc[vi, vh, 0], sc[vi, vh, 1], tot[0], tot[1], sc[vi, vh, 2])[k])
     return ib.get()
 
 
@@ -463,12 +539,13 @@ def attention_grad_src(H: int, C: int, slope: float, p: float = 0.0, seed: int =
     d s_src[j] = sum a r (dy_i . x_j - D_i) (with dropout: sum a m dy_i and sum a r (m dy_i
     . x_j - D_i)).
 
-    ``split`` (the GPU's hub split): each hub task of out-edges sums its share into a
-    partial row (``part``: its d x and d s_src); a hub row adds its tasks' partials.
+    ``split``: the GPU's form, ``_attention_grad_src_lanes``.
 
     Arguments: indptr, indices (CSC), [csc_perm: the canonical id of each CSC slot's edge],
     s_src (n x H), x (n x H*C), dy (m x H*C), stats (m x 4H), [step], [tasks, hub], out (n x
     H*C + H)."""
+    if split:
+        return _attention_grad_src_lanes(H, C, slope, p, seed)
     F = H * C
     f32 = "float32"
     zero = tirx.const(0.0, f32)
@@ -476,90 +553,135 @@ def attention_grad_src(H: int, C: int, slope: float, p: float = 0.0, seed: int =
         with T.prim_func(s_tir=True):
             T.func_name("attention_grad_src")
             T.func_attr({"tirx.noalias": True})
-            b, n, m, nnz = attention_buffers("attention_grad_src", H, C, p, split=split)
+            b, n, m, nnz = attention_buffers("attention_grad_src", H, C, p)
             indptr, indices, s_src, x, dy, stats, out = (b[k] for k in (
                 "indptr", "indices", "s_src", "x", "dy", "stats", "out"))
             perm, step = b.get("csc_perm"), b.get("step")
-            drop_reads = [perm[0:nnz], step[()]] if p else []
-
-            def accumulate(j, h, lo, hi, row, st):
-                """Out-edges lo..hi of source j added into ``row`` (its d x at f, its d s_src
-                at F + h) with ``st`` (0: d s_src, 1: the dot product) as scratch."""
-                with T.serial(lo, hi) as k:
-                    d = indices[k]
-                    z = s_src[j, h] + stats[d, H + h]
-                    a = fast_exp(leaky(z, slope) - stats[d, 2 * H + h])
-                    mk = drop_factor(perm, k, h, H, step, p, seed)
-                    st(1, zero)
-                    with T.serial(0, C) as c:
-                        f = h * C + c
-                        st(1, st(1) + dy[d, f] * x[j, f])
-                        row(f, row(f) + times(a, mk) * dy[d, f])
-                    st(0, st(0) + a * slope_factor(z, slope) * (times(st(1), mk)
-                                                                 - stats[d, 3 * H + h]))
-
-            def stat_of(buf, idx):
-                def st(k, v=None):
-                    if v is None:
-                        return buf[(*idx, k)]
-                    T.buffer_store(buf, v, [*idx, k])
-                return st
-
-            def row_of(buf, i):
-                def row(f, v=None):
-                    if v is None:
-                        return buf[i, f]
-                    T.buffer_store(buf, v, [i, f])
-                return row
-
-            if split:
-                t, tasks, hub = b["t"], b["tasks"], b["hub"]
-                part = T.sblock_alloc_buffer((t, F + H), f32)
-                tstat = T.sblock_alloc_buffer((t, H, 2), f32)
-                IRBuilder.name("part", part)
-                IRBuilder.name("tstat", tstat)
-                with T.grid(t, H) as (k, h):
-                    with T.sblock("task"):
-                        vk = T.axis.spatial(t, k)
-                        vh = T.axis.spatial(H, h)
-                        T.reads(tasks[vk, 0:3], indices[0:nnz], s_src[0:n, vh],
-                                x[0:n, vh * C:vh * C + C], dy[0:m, vh * C:vh * C + C],
-                                stats[0:m, 0:4 * H], *drop_reads)
-                        T.writes(part[vk, vh * C:vh * C + C], part[vk, F + vh],
-                                 tstat[vk, vh, 0:2])
-                        st = stat_of(tstat, [vk, vh])
-                        st(0, zero)
-                        with T.serial(0, C) as c:
-                            T.buffer_store(part, zero, [vk, vh * C + c])
-                        accumulate(tasks[vk, 2], vh, tasks[vk, 0], tasks[vk, 1],
-                                   row_of(part, vk), st)
-                        T.buffer_store(part, st(0), [vk, F + vh])
             stat = T.sblock_alloc_buffer((n, H, 2), f32)  # d s_src, the dot product
             IRBuilder.name("stat", stat)
             with T.grid(n, H) as (i, h):
                 with T.sblock("row"):
                     vj = T.axis.spatial(n, i)
                     vh = T.axis.spatial(H, h)
-                    reads = [indptr[vj:vj + 2], indices[0:nnz], s_src[vj, vh],
-                             x[vj, vh * C:vh * C + C], dy[0:m, vh * C:vh * C + C],
-                             stats[0:m, 0:4 * H], *drop_reads]
-                    end = indptr[vj + 1]
-                    if split:  # a hub row adds its tasks' partials and walks no edges
-                        reads += [hub[vj:vj + 2], part[0:t, vh * C:vh * C + C],
-                                  part[0:t, F + vh]]
-                        end = tirx.Select(hub[vj + 1] > hub[vj], indptr[vj], end)
-                    T.reads(*reads)
+                    T.reads(indptr[vj:vj + 2], indices[0:nnz], s_src[vj, vh],
+                            x[vj, vh * C:vh * C + C], dy[0:m, vh * C:vh * C + C],
+                            stats[0:m, 0:4 * H], *([perm[0:nnz], step[()]] if p else []))
                     T.writes(out[vj, vh * C:vh * C + C], out[vj, F + vh], stat[vj, vh, 0:2])
-                    st = stat_of(stat, [vj, vh])
-                    st(0, zero)
+                    T.buffer_store(stat, zero, [vj, vh, 0])
                     with T.serial(0, C) as c:
                         T.buffer_store(out, zero, [vj, vh * C + c])
-                    if split:
-                        with T.serial(hub[vj], hub[vj + 1]) as q:
-                            with T.serial(0, C) as c:
-                                f = vh * C + c
-                                T.buffer_store(out, out[vj, f] + part[q, f], [vj, f])
-                            st(0, st(0) + part[q, F + vh])
-                    accumulate(vj, vh, indptr[vj], end, row_of(out, vj), st)
-                    T.buffer_store(out, st(0), [vj, F + vh])
+                    with T.serial(indptr[vj], indptr[vj + 1]) as k:
+                        d = indices[k]
+                        z = s_src[vj, vh] + stats[d, H + vh]
+                        a = fast_exp(leaky(z, slope) - stats[d, 2 * H + vh])
+                        mk = drop_factor(perm, k, vh, H, step, p, seed)
+                        T.buffer_store(stat, zero, [vj, vh, 1])
+                        with T.serial(0, C) as c:
+                            f = vh * C + c
+                            T.buffer_store(stat, stat[vj, vh, 1] + dy[d, f] * x[vj, f],
+                                           [vj, vh, 1])
+                            T.buffer_store(out, out[vj, f] + times(a, mk) * dy[d, f], [vj, f])
+                        T.buffer_store(stat, stat[vj, vh, 0] + a * slope_factor(z, slope) * (
+                            times(stat[vj, vh, 1], mk) - stats[d, 3 * H + vh]), [vj, vh, 0])
+                    T.buffer_store(out, stat[vj, vh, 0], [vj, F + vh])
+    return ib.get()
+
+
+def _attention_grad_src_lanes(H: int, C: int, slope: float, p: float, seed: int):
+    """The GPU's ``attention_grad_src``: a thread per (row, head, channel), so a warp's
+    lanes read neighbouring floats of dy_i, and no edge needs a sum across channels.  The
+    per-edge dot product moves out of the edge loop:
+
+        d s_src[j] = sum_k a r (m dy_i . x_j - D_i) = x_j . B_j - E_j,
+        B_j = sum_k a r m dy_i (per channel),  E_j = sum_k a r D_i
+
+    so each lane sums d x, B and E over the out-edges; lane c stores x_j[c] B_j[c] (lane 0
+    less E_j) into ``bx`` and a last nest adds a head's C values.  Hub tasks (``tasks``,
+    ``hub``) sum their share of the three into partials a hub row adds instead of walking
+    its edges."""
+    F = H * C
+    f32 = "float32"
+    zero = tirx.const(0.0, f32)
+    with IRBuilder() as ib:
+        with T.prim_func(s_tir=True):
+            T.func_name("attention_grad_src")
+            T.func_attr({"tirx.noalias": True})
+            b, n, m, nnz = attention_buffers("attention_grad_src", H, C, p, split=True)
+            indptr, indices, s_src, x, dy, stats, out, t, tasks, hub = (b[k] for k in (
+                "indptr", "indices", "s_src", "x", "dy", "stats", "out", "t", "tasks", "hub"))
+            perm, step = b.get("csc_perm"), b.get("step")
+            edge_reads = [indices[0:nnz], dy[0:m, 0:F], stats[0:m, 0:4 * H],
+                          *([perm[0:nnz], step[()]] if p else [])]
+
+            def accumulate(j, h, f, lo, hi, acc):
+                """Out-edges lo..hi of source j into acc(0) d x, acc(1) B, acc(2) E."""
+                with T.serial(lo, hi) as k:
+                    d = indices[k]
+                    z = s_src[j, h] + stats[d, H + h]
+                    a = fast_exp(leaky(z, slope) - stats[d, 2 * H + h])
+                    mk = drop_factor(perm, k, h, H, step, p, seed)
+                    ar = a * slope_factor(z, slope)
+                    acc(0, acc(0) + times(a, mk) * dy[d, f])
+                    acc(1, acc(1) + times(ar, mk) * dy[d, f])
+                    acc(2, acc(2) + ar * stats[d, 3 * H + h])
+
+            def cells(buf, idx):
+                def acc(k, v=None):
+                    if v is None:
+                        return buf[(*idx, k)]
+                    T.buffer_store(buf, v, [*idx, k])
+                return acc
+
+            part = T.sblock_alloc_buffer((t, F, 3), f32)  # a task's d x, B, E per lane
+            tacc = T.sblock_alloc_buffer((t, H, C, 3), f32)
+            acc_ = T.sblock_alloc_buffer((n, H, C, 3), f32)
+            bx = T.sblock_alloc_buffer((n, F), f32)
+            for buf, name in ((part, "part"), (tacc, "tacc"), (acc_, "acc"), (bx, "bx")):
+                IRBuilder.name(name, buf)
+            with T.grid(t, H, C) as (k, h, c):
+                with T.sblock("task"):
+                    vk = T.axis.spatial(t, k)
+                    vh = T.axis.spatial(H, h)
+                    vc = T.axis.spatial(C, c)
+                    f = vh * C + vc
+                    T.reads(tasks[vk, 0:3], s_src[0:n, vh], *edge_reads)
+                    T.writes(part[vk, f, 0:3], tacc[vk, vh, vc, 0:3])
+                    acc = cells(tacc, [vk, vh, vc])
+                    for q in range(3):
+                        acc(q, zero)
+                    accumulate(tasks[vk, 2], vh, f, tasks[vk, 0], tasks[vk, 1], acc)
+                    for q in range(3):
+                        T.buffer_store(part, acc(q), [vk, f, q])
+            with T.grid(n, H, C) as (i, h, c):
+                with T.sblock("row"):
+                    vj = T.axis.spatial(n, i)
+                    vh = T.axis.spatial(H, h)
+                    vc = T.axis.spatial(C, c)
+                    f = vh * C + vc
+                    T.reads(indptr[vj:vj + 2], hub[vj:vj + 2], part[0:t, f, 0:3],
+                            s_src[vj, vh], x[vj, f], *edge_reads)
+                    T.writes(out[vj, f], bx[vj, f], acc_[vj, vh, vc, 0:3])
+                    acc = cells(acc_, [vj, vh, vc])
+                    for q in range(3):
+                        acc(q, zero)
+                    with T.serial(hub[vj], hub[vj + 1]) as q:
+                        for r in range(3):
+                            acc(r, acc(r) + part[q, f, r])
+                    end = tirx.Select(hub[vj + 1] > hub[vj], indptr[vj], indptr[vj + 1])
+                    accumulate(vj, vh, f, indptr[vj], end, acc)
+                    T.buffer_store(out, acc(0), [vj, f])
+                    T.buffer_store(bx, x[vj, f] * acc(1) - tirx.Select(vc == 0, acc(2), zero),
+                                   [vj, f])
+            with T.grid(n, H) as (i, h):
+                with T.sblock("ds"):
+                    vj = T.axis.spatial(n, i)
+                    vh = T.axis.spatial(H, h)
+                    T.reads(bx[vj, vh * C:vh * C + C])
+                    T.writes(out[vj, F + vh])
+                    tot = T.sblock_alloc_buffer((1,), f32, scope="local")
+                    IRBuilder.name("tot", tot)
+                    T.buffer_store(tot, zero, [0])
+                    with T.serial(0, C) as c:
+                        T.buffer_store(tot, tot[0] + bx[vj, vh * C + c], [0])
+                    T.buffer_store(out, tot[0], [vj, F + vh])
     return ib.get()

@@ -206,13 +206,22 @@ def _attention(sch, spec) -> None:
 
 
 def _attention_grad(sch, spec) -> None:
-    """The two halves of fused attention's backward: one thread per (row, head), its
-    sums (``stat``) in registers; the hub tasks (``split``) likewise."""
-    names = ("task", "row") if spec.p.get("split") else ("row",)
-    for name, scratch in zip(names, ("tstat", "stat") if len(names) == 2 else ("stat",)):
+    """The two halves of fused attention's backward.  The generic forms: one thread per
+    (row, head), its sums (``stat``) in registers.  The GPU forms (``split``): rows x
+    lanes over (row, head) and the channels, for the hub tasks and the rows alike, each
+    lane's sums in registers; the nest that adds a head's lanes (``finish`` of the
+    destination half, ``ds`` of the source half) takes a thread per (row, head)."""
+    if not spec.p.get("split"):
+        blk = sch.get_sblock("row")
+        sch.set_scope(blk, _write_index(sch, blk, "stat"), "local")
+        _bind_rows(sch, blk, n_row_loops=2)
+        return
+    src = spec.kind == "attention_grad_src"
+    for name, scratch in (("task", "tacc" if src else "tstat"), ("row", "acc" if src else "stat")):
         blk = sch.get_sblock(name)
         sch.set_scope(blk, _write_index(sch, blk, scratch), "local")
         _bind_rows(sch, blk, n_row_loops=2)
+    _bind_rows(sch, sch.get_sblock("ds" if src else "finish"), n_row_loops=2)
 
 
 def _edge_softmax(sch) -> None:

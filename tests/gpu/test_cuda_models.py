@@ -7,7 +7,7 @@ PyG.  Skipped without a CUDA device; the artifacts may be compiled elsewhere
 import numpy as np
 import pytest
 from conftest import awkward_graph, ref_inputs, rel_err
-from test_onnx import CORPUS, FIX, STEMS, fixed_graph
+from corpus import CORPUS, FIX, STEMS, fixed_graph
 
 import gcomp.models as models
 from gcomp.debug.compare import compare_forward, compare_training_step
