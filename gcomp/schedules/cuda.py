@@ -19,7 +19,7 @@ Thread layouts used here:
   blocks of ``THREADS`` threads.
 * **cross-thread reduction** (``_reduce_to_scalar``): reductions over the
   symbolic row axis to a scalar (loss, mask counts) run in one block: each of
-  ``THREADS`` threads sums a strided share in a fixed order, then TVM's
+  ``SCALAR_THREADS`` threads sums a strided share in a fixed order, then TVM's
   warp-shuffle tree adds the partial sums.  No atomics anywhere: every kernel is
   deterministic (the same inputs give the same bits).
 * reductions over rows into a small static output (``matmul_tn``, ``colsum``) use
@@ -139,13 +139,18 @@ def _bind_rows(sch, block, n_row_loops: int = 1):
     return ri, fi
 
 
+SCALAR_THREADS = 1024  # one block's threads for a sum to a scalar (the loss, mask counts)
+
+
 def _reduce_to_scalar(sch, block) -> None:
-    """A reduction block with no spatial loops over a long axis: one block of THREADS
-    threads, each summing a strided share, then a warp-shuffle tree (deterministic)."""
+    """A reduction block with no spatial loops over a long axis: one block of
+    ``SCALAR_THREADS`` threads, each summing a strided share, then a warp-shuffle tree
+    (deterministic).  (With 256 threads each walked 661 rows of an arxiv-size graph: the
+    loss and its gradient took 0.13 and 0.08 ms of a 1.7 ms GCN epoch on an H100.)"""
     loops = sch.get_loops(block)
     r = _fuse(sch, loops)
     unit = sch.add_unit_loop(block)
-    ro, ri = sch.split(r, [None, THREADS])
+    ro, ri = sch.split(r, [None, SCALAR_THREADS])
     sch.reorder(unit, ri, ro)
     sch.bind(unit, "blockIdx.x")
     sch.bind(ri, "threadIdx.x")

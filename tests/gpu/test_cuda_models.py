@@ -139,8 +139,13 @@ def test_training_step_with_hub_rows(build, name):
     wrong = {p: rel_err(grads[p], ref[p]) for p in ref if rel_err(grads[p], ref[p]) > 1e-4}
     assert abs(lg - lc) <= 1e-4 * abs(lc) and not wrong, (
         lg, lc, wrong, first_difference(compare_training_step(gpu_art, cpu_art, g, seed=2)))
+    # Adam's first step moves each parameter by about lr * sign(gradient): an element whose
+    # gradient is at float32 rounding level (GGNN's GRU biases have one of 5e-8, 1e-6 of
+    # the largest) may move either way in another summation order, so it is left out
     for k, v in cpu.parameters().items():
-        assert rel_err(gpu.parameters()[k], v) <= 1e-4, k
+        mag = np.abs(ref[k])
+        clear = mag > 1e-4 * mag.max()
+        assert rel_err(gpu.parameters()[k][clear], v[clear]) <= 1e-4, k
 
 
 def test_cli_train_on_gpu(capsys, artifact_mode):
