@@ -38,3 +38,42 @@ def test_matmul_tn_gpu_tiles_are_exact(K, M):
     assert (t.R * t.BK) % threads == 0 and (t.R * t.Mp) % threads == 0
     assert t.R * (t.BK + t.Mp) * 4 <= GPU_TN_SHARED
     assert threads >= min(64, K * M // 16)  # enough threads to hide the loads' latency
+
+
+@pytest.mark.parametrize("K,M,n", [(128, 32, 1000), (32, 40, 77), (602, 41, 50), (3, 7, 5),
+                                   (64, 384, 130), (1433, 16, 40)])
+@pytest.mark.parametrize("epilogue", [False, True])
+def test_matmul_gpu_form(K, M, n, epilogue):
+    """The GPU's tiled product (padded rows and columns, the epilogue and the bound check
+    in the output block) against numpy in float64; the epilogue: bias, then relu."""
+    kw = {"epilogue": (("bias_add", (), 0, False), ("relu", (), None, False)),
+          "extras": ("vec",)} if epilogue else {}
+    spec = KernelSpec.make("matmul", K=K, M=M, gpu=True, **kw)
+    fn = tvm.compile(tvm.IRModule({spec.name: define(spec)}), target="llvm")[spec.name]
+    rng = np.random.default_rng(K + M)
+    x = rng.standard_normal((n, K)).astype(np.float32)
+    w = rng.standard_normal((K, M)).astype(np.float32)
+    bias = rng.standard_normal(M).astype(np.float32)
+    out = tvm.runtime.tensor(np.full((n, M), np.nan, np.float32))
+    fn(tvm.runtime.tensor(x), tvm.runtime.tensor(w), *([tvm.runtime.tensor(bias)] if epilogue
+                                                       else []), out)
+    ref = x.astype(np.float64) @ w.astype(np.float64)
+    if epilogue:
+        ref = np.maximum(ref + bias, 0)
+    np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-4 * np.sqrt(K))
+
+
+@pytest.mark.parametrize("K", [1, 3, 32, 128, 602, 1433])
+@pytest.mark.parametrize("M", [1, 3, 7, 32, 41, 128, 384])
+def test_matmul_gpu_tiles_are_exact(K, M):
+    """The GPU product's tiling: exact splits of the padded axes, whole-element copies of
+    both staged tiles, and a block within its threads and shared memory."""
+    from gcomp.codegen.dense_kernels import GPU_TN_SHARED, GPU_TN_THREADS, gpu_mm_tiles
+    t = gpu_mm_tiles(K, M)
+    threads = t.nx * t.ny
+    assert 1 <= threads <= GPU_TN_THREADS
+    assert t.Kp % t.KT == 0 and K <= t.Kp < K + t.KT
+    assert t.Mp == t.tb * t.nx and M <= t.Mp < M + t.nx
+    assert (t.R * t.KT) % threads == 0 and (t.KT * t.Mp) % threads == 0
+    assert (t.R * t.KT + t.KT * t.Mp) * 4 <= GPU_TN_SHARED
+    assert threads >= min(64, M * 8)

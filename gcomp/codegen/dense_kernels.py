@@ -111,8 +111,11 @@ def ewise(op: str, attrs: tuple, in_shapes: tuple, out_shape: tuple):
 
 
 @definer("matmul")
-def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = ()):
-    """out[i, j] = epilogue(sum_k x[i, k] * w[k, j]) (x: [n, K], w: [K, M])."""
+def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = (), gpu: bool = False):
+    """out[i, j] = epilogue(sum_k x[i, k] * w[k, j]) (x: [n, K], w: [K, M]).  ``gpu``:
+    the tiled form of ``_matmul_gpu``."""
+    if gpu:
+        return _matmul_gpu(K, M, epilogue, extras, gpu_mm_tiles(K, M))
     n = tirx.Var("n", "int64")
     x = _input((n, K), "x")
     w = te.placeholder((K, M), "float32", name="w")
@@ -126,6 +129,126 @@ def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = ()):
     res = _result((n, M), lambda i, j: epi.apply(
         epilogue, out[i, j], lambda e: _load(ext[e], epi.index(extras[e], i, j))), "epilogue")
     return te.create_prim_func([x, w] + ext + [res])
+
+
+@dataclass(frozen=True)
+class MmTiles:
+    """How the GPU form of ``matmul`` cuts its work (``gpu_mm_tiles``): a block of ``ny`` x
+    ``nx`` threads owns ``R = ny * ta`` rows of the output, each thread ``ta`` rows by
+    ``tb`` columns (columns ``nx`` apart); per step the block stages ``KT`` columns of its
+    rows of x and ``KT`` rows of w in shared memory.  K and M are padded to ``Kp`` and
+    ``Mp`` (multiples of KT and of tb * nx): the padding reads as zero and is never
+    stored."""
+    ta: int
+    tb: int
+    nx: int
+    ny: int
+    KT: int
+    Kp: int
+    Mp: int
+
+    @property
+    def R(self) -> int:
+        return self.ny * self.ta
+
+
+def gpu_mm_tiles(K: int, M: int) -> MmTiles:
+    """The tiling of the GPU ``matmul`` for [n, K] @ [K, M]: every thread split divides its
+    (padded) axis (``gpu_tn_tiles`` says why), each thread copies whole elements of both
+    staged tiles; preferred: 128 threads or more, then up to 16 results per thread less
+    the padding, then more threads, then longer k steps (fewer synchronizations)."""
+    best = None
+    for tb in range(1, 9):
+        nx = -(-M // tb)
+        if nx > GPU_TN_THREADS or (tb > 1 and -(-M // (tb - 1)) == nx):
+            continue
+        Mp = tb * nx
+        for ta in range(1, 9):
+            for ny in {1, 2, 4, 8, 16, 32, 64, 128, 256}:
+                threads = nx * ny
+                if threads > GPU_TN_THREADS:
+                    continue
+                for KT in (32, 16, 8):
+                    R, Kp = ny * ta, _round_up(K, KT)
+                    if (R * KT) % threads or (KT * Mp) % threads:
+                        continue
+                    if (R * KT + KT * Mp) * 4 > GPU_TN_SHARED:
+                        continue
+                    useful = K * M / (Kp * Mp)
+                    key = (min(threads, 128), round(min(ta * tb, 16) * useful, 1), threads, KT)
+                    if best is None or key > best[0]:
+                        best = (key, MmTiles(ta, tb, nx, ny, KT, Kp, Mp))
+    if best is None:
+        raise ValueError(f"no GPU tiling of a product into {M} columns from {K}")
+    return best[1]
+
+
+def _matmul_gpu(K: int, M: int, epilogue: tuple, extras: tuple, tl: MmTiles):
+    """The GPU's ``matmul``: staged copies ``xs`` (the block's rows of x, zero past the
+    last row and column) and ``ws`` (w, zero-padded), the product ``acc`` over padded
+    blocks of rows [blocks, R, Mp / nx, nx] (a thread's columns, ``nx`` apart, form an
+    exact box: its register tile), and the output block over the same domain, which
+    stores only the elements inside [n, M] (after the epilogue)."""
+    f32 = "float32"
+    zero = tirx.const(0.0, f32)
+    R, KT, nx, Kp, Mp = tl.R, tl.KT, tl.nx, tl.Kp, tl.Mp
+    with IRBuilder() as ib:
+        with IB.prim_func(s_tir=True):
+            IB.func_name("matmul")
+            IB.func_attr({"tirx.noalias": True})
+            n = tirx.Var("n", "int64")
+            x = arg("x", (n, K), f32)
+            w = arg("w", (K, M), f32)
+            ext = [arg(f"e{i}", epi.shape(kind, n, M), f32) for i, kind in enumerate(extras)]
+            # named as the generic form names its output: the precision pass retypes
+            # arguments by name
+            out = arg("epilogue" if epilogue else "matmul", (n, M), f32)
+            nb = (n + R - 1) // R
+            xs = IB.sblock_alloc_buffer((nb, Kp // KT, R, KT), f32)
+            ws = IB.sblock_alloc_buffer((Kp // KT, KT, Mp), f32)
+            acc = IB.sblock_alloc_buffer((nb, R, Mp // nx, nx), f32)
+            for buf, name in ((xs, "xs"), (ws, "ws"), (acc, "acc")):
+                IRBuilder.name(name, buf)
+            with IB.grid(nb, Kp // KT, R, KT) as (b, kt, r, kk):
+                with IB.sblock("xs"):
+                    vb, vt, vr, vk = IB.axis.remap("SSSS", [b, kt, r, kk])
+                    row, col = vb * R + vr, vt * KT + vk
+                    IB.reads(x[row, col])
+                    IB.writes(xs[vb, vt, vr, vk])
+                    IB.buffer_store(xs, tirx.if_then_else(
+                        tirx.all(row < n, col < K), _load(x, (row, col)), zero), [vb, vt, vr, vk])
+            with IB.grid(Kp // KT, KT, Mp) as (kt, kk, j):
+                with IB.sblock("ws"):
+                    vt, vk, vj = IB.axis.remap("SSS", [kt, kk, j])
+                    IB.reads(w[vt * KT + vk, vj])
+                    IB.writes(ws[vt, vk, vj])
+                    IB.buffer_store(ws, tirx.if_then_else(
+                        tirx.all(vt * KT + vk < K, vj < M), w[vt * KT + vk, vj], zero),
+                        [vt, vk, vj])
+            with IB.grid(nb, R, Mp // nx, nx, Kp // KT, KT) as (b, r, u, v, kt, kk):
+                with IB.sblock("acc"):
+                    vb, vr, vu, vv, vt, vk = IB.axis.remap("SSSSRR", [b, r, u, v, kt, kk])
+                    IB.reads(xs[vb, vt, vr, vk], ws[vt, vk, vu * nx + vv])
+                    IB.writes(acc[vb, vr, vu, vv])
+                    with IB.init():
+                        IB.buffer_store(acc, zero, [vb, vr, vu, vv])
+                    IB.buffer_store(acc, acc[vb, vr, vu, vv]
+                                    + xs[vb, vt, vr, vk] * ws[vt, vk, vu * nx + vv],
+                                    [vb, vr, vu, vv])
+            with IB.grid(nb, R, Mp // nx, nx) as (b, r, u, v):
+                with IB.sblock("out"):
+                    vb, vr, vu, vv = IB.axis.remap("SSSS", [b, r, u, v])
+                    row, col = vb * R + vr, vu * nx + vv
+                    IB.reads(acc[vb, vr, vu, vv],
+                             *[e[epi.index(kind, row, col)] for e, kind in zip(ext, extras)])
+                    IB.writes(out[row, col])
+                    with IB.If(tirx.all(row < n, col < M)):
+                        with IB.Then():
+                            IB.buffer_store(out, epi.apply(
+                                epilogue, acc[vb, vr, vu, vv],
+                                lambda k: _load(ext[k], epi.index(extras[k], row, col))),
+                                [row, col])
+    return ib.get()
 
 
 def _tree(expr, leaves, idx, out_shape):
@@ -448,8 +571,7 @@ def _matmul_tn_gpu(K: int, M: int, tiles: TnTiles):
     written back whole."""
     P, R, nx, Kp, Mp = tiles.P, tiles.R, tiles.nx, tiles.Kp, tiles.Mp
     n = te.var("n", "int64")
-    x = te.placeholder((n, K), "float32", name="x")
-    y = te.placeholder((n, M), "float32", name="y")
+    x, y = _input((n, K), "x"), _input((n, M), "y")
     steps = (n + P * R - 1) // (P * R)  # staged tiles per chunk
 
     def row(p, t, r):
@@ -457,7 +579,8 @@ def _matmul_tn_gpu(K: int, M: int, tiles: TnTiles):
 
     def staged(src, width, padded, name):
         return te.compute((P, steps, R, padded), lambda p, t, r, a: tirx.if_then_else(
-            tirx.all(row(p, t, r) < n, a < width), src[row(p, t, r), a], _f32(0)), name=name)
+            tirx.all(row(p, t, r) < n, a < width), _load(src, (row(p, t, r), a)), _f32(0)),
+            name=name)
     xs, ys = staged(x, K, Kp, "xs"), staged(y, M, Mp, "ys")
     t = te.reduce_axis((0, steps), name="t")
     r = te.reduce_axis((0, R), name="r")

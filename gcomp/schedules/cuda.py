@@ -53,6 +53,7 @@ THREADS = 256  # threads per block
 # keep CPU kernels unchanged).  More row chunks: a GPU wants thousands of threads.
 DEFINITION_PARAMS = {
     "colsum": {"gpu": True, "chunks": 256},
+    "matmul": {"gpu": True},
     "matmul_tn": {"gpu": True},
 }
 
@@ -254,36 +255,33 @@ def _edge_dot(sch) -> None:
 
 
 # ---------------------------------------------------------------------- dense kernels
-MATMUL_ROWS = 4  # rows of x one thread multiplies: each w[k, j] it loads serves all of them
-
-
-def _matmul(sch, M: int, epilogue: bool) -> None:
-    """Rows x lanes over the output columns; each thread computes ``MATMUL_ROWS`` rows of
-    its column with the k loop outside them, their sums in registers (x[i, k] is one
-    broadcast load per warp, w[k, :] coalesced and reused across the rows)."""
-    blk = sch.get_sblock("matmul")
-    i, j, k = sch.get_loops(blk)
-    # at least two rows of threads per block: with one, the rows' register sums (a
-    # predicated region of 4 rows at the end of the symbolic row axis) were sized
-    # symbolically, which TVM cannot allocate ("constant size stack allocation"), so every
-    # product into more than 128 columns failed to compile
-    lanes = divisor_at_most(M, THREADS // 2)
-    rows_per_block = THREADS // lanes
-    io, ii, ir = sch.split(i, [None, rows_per_block, MATMUL_ROWS])
-    jo, ji = sch.split(j, [None, lanes])
-    sch.reorder(io, jo, ii, ji, k, ir)
-    sch.bind(io, "blockIdx.x")
-    sch.bind(jo, "blockIdx.y")
-    sch.bind(ii, "threadIdx.y")
-    sch.bind(ji, "threadIdx.x")
-    if epilogue:
-        ep = sch.get_sblock("epilogue")
-        sch.set_scope(blk, 0, "local")
-        # the epilogue's loops follow the matmul's split, element by element
-        sch.reverse_compute_at(ep, ji)
-    else:
-        _in_register(sch, blk, "matmul", ji)
-    sch.decompose_reduction(blk, k)
+def _matmul(sch, K: int, M: int) -> None:
+    """GPU definition (``gpu=True``, tiles from ``gpu_mm_tiles``): a block per ``R`` rows;
+    per step of ``KT`` columns of x its threads copy the rows' slice of x and ``KT`` rows
+    of w into shared memory (neighbouring floats), then each thread adds the products
+    into its ``ta`` x ``tb`` register tile; the output block (epilogue, bound check)
+    follows each thread's tile.  (The form before gave each thread 4 rows of one column
+    straight from global memory: 0.21 ms for 128 -> 32 on arxiv-size rows, 0.76 ms for
+    128 -> 128, about 7x the FLOP floor.)"""
+    from gcomp.codegen.dense_kernels import gpu_mm_tiles
+    tl = gpu_mm_tiles(K, M)
+    acc = sch.get_sblock("acc")
+    b, r, u, v, kt, kk = sch.get_loops(acc)
+    ty, a = sch.split(r, [tl.ny, tl.ta])
+    sch.reorder(b, ty, v, kt, kk, a, u)
+    sch.bind(b, "blockIdx.x")
+    sch.bind(ty, "threadIdx.y")
+    sch.bind(v, "threadIdx.x")
+    sch.set_scope(acc, 0, "local")
+    sch.reverse_compute_at(sch.get_sblock("out"), v)
+    for name in ("xs", "ws"):
+        stage = sch.get_sblock(name)
+        sch.set_scope(stage, 0, "shared")
+        sch.compute_at(stage, kt, preserve_unit_loops=True)
+        _, fy, fx = sch.split(sch.fuse(*sch.get_loops(stage)[-2:]), [None, tl.ny, tl.nx])
+        sch.bind(fy, "threadIdx.y")
+        sch.bind(fx, "threadIdx.x")
+    sch.decompose_reduction(acc, kt)
 
 
 def _colsum(sch, F: int) -> None:
@@ -431,7 +429,7 @@ def schedule(sch, spec) -> None:
     elif kind == "concat":
         _elementwise(sch, "concat")
     elif kind == "matmul":
-        _matmul(sch, p["M"], bool(p.get("epilogue")))
+        _matmul(sch, p["K"], p["M"])
     elif kind == "matmul_tn":
         _matmul_tn(sch, p["K"], p["M"])
     elif kind == "colsum":
