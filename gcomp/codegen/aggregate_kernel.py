@@ -136,6 +136,17 @@ def csr_agg(reduce: str, H: int, C: int, weight: str, indirect: bool = False,
     return ib.get()
 
 
+def cells(buf, idx: list):
+    """An accessor of the values ``buf[*idx, k]`` in the kernel being built: ``st(k)``
+    loads one, ``st(k, v)`` stores v (the attention kernels' register scratch and partial
+    rows)."""
+    def st(k, v=None):
+        if v is None:
+            return buf[(*idx, k)]
+        T.buffer_store(buf, v, [*idx, k])
+    return st
+
+
 def drop_factor(perm, j, h, H: int, step, p: float, seed: int):
     """Fused attention's dropout factor of coefficient (edge j, head h): keep / (1 - p)
     from the hash of the element id perm[j] * H + h (``dropout`` of an [E, H] tensor);
@@ -235,7 +246,7 @@ def attention_agg(H: int, C: int, slope: float, p: float = 0.0, seed: int = 0,
 
             def sweeps(i, h, f, lo, hi, st, acc, merge=None):
                 """The two sweeps over edges lo..hi of destination i into the maximum
-                ``st(0)``, the sum ``st(1)`` and the weighted row ``acc``; ``merge``:
+                ``st(0)``, the sum ``st(1)`` and the weighted row ``acc(f)``; ``merge``:
                 (partials' range, their maximum, sum and row at q) merged in first."""
                 def score(j):
                     return leaky(s_src[indices[j], h] + s_dst[i, h], slope)
@@ -247,31 +258,17 @@ def attention_agg(H: int, C: int, slope: float, p: float = 0.0, seed: int = 0,
                 with T.serial(lo, hi) as j:
                     st(0, tirx.max(st(0), score(j)))
                 st(1, zero)
-                acc(zero)
+                acc(f, zero)
                 if merge is not None:
                     with T.serial(qlo, qhi) as q:
                         scale = fast_exp(pmax(q) - st(0))
                         st(1, st(1) + psum(q) * scale)
-                        acc(acc() + prow(q) * scale)
+                        acc(f, acc(f) + prow(q) * scale)
                 with T.serial(lo, hi) as j:
                     e = fast_exp(score(j) - st(0))
                     st(1, st(1) + e)
                     w = times(e, drop_factor(perm, j, h, H, step, p, seed))
-                    acc(acc() + w * x[indices[j], f])
-
-            def stat_of(buf, idx):
-                def st(k, v=None):
-                    if v is None:
-                        return buf[(*idx, k)]
-                    T.buffer_store(buf, v, [*idx, k])
-                return st
-
-            def cell(buf, idx):
-                def acc(v=None):
-                    if v is None:
-                        return buf[idx]
-                    T.buffer_store(buf, v, idx)
-                return acc
+                    acc(f, acc(f) + w * x[indices[j], f])
 
             merge = None
             if split:
@@ -290,9 +287,9 @@ def attention_agg(H: int, C: int, slope: float, p: float = 0.0, seed: int = 0,
                         T.reads(tasks[vk, 0:3], indices[0:nnz], s_src[0:m, vh],
                                 s_dst[0:n, vh], x[0:m, f], *drop_reads)
                         T.writes(part[vk, f], pstat[vk, f, 0:2], tstat[vk, vh, vc, 0:2])
-                        st = stat_of(tstat, [vk, vh, vc])
+                        st = cells(tstat, [vk, vh, vc])
                         sweeps(tasks[vk, 2], vh, f, tasks[vk, 0], tasks[vk, 1], st,
-                               cell(part, [vk, f]))
+                               cells(part, [vk]))
                         T.buffer_store(pstat, st(0), [vk, f, 0])
                         T.buffer_store(pstat, st(1), [vk, f, 1])
             stat = T.sblock_alloc_buffer((n, H, C, 2), f32)
@@ -313,8 +310,8 @@ def attention_agg(H: int, C: int, slope: float, p: float = 0.0, seed: int = 0,
                         end = tirx.Select(hub[vi + 1] > hub[vi], indptr[vi], end)
                     T.reads(*reads)
                     T.writes(out[vi, f], stat[vi, vh, vc, 0:2])
-                    st = stat_of(stat, [vi, vh, vc])
-                    sweeps(vi, vh, f, indptr[vi], end, st, cell(out, [vi, f]), merge)
+                    st = cells(stat, [vi, vh, vc])
+                    sweeps(vi, vh, f, indptr[vi], end, st, cells(out, [vi]), merge)
                     total = st(1)
                     res = tirx.Select(total > zero, out[vi, f] / total, zero)
                     res = epi.apply(epilogue, res, lambda k: extra[k][epi.index(extras[k], vi, f)])
@@ -446,13 +443,6 @@ def _attention_grad_dst_lanes(H: int, C: int, slope: float, p: float, seed: int)
                     st(2, st(2) + e * r)
                     st(3, st(3) + em * x[indices[j], f])
                     st(4, st(4) + em * r * x[indices[j], f])
-
-            def cells(buf, idx):
-                def st(k, v=None):
-                    if v is None:
-                        return buf[(*idx, k)]
-                    T.buffer_store(buf, v, [*idx, k])
-                return st
 
             part = T.sblock_alloc_buffer((t, F, 5), f32)
             tstat = T.sblock_alloc_buffer((t, H, C, 5), f32)
@@ -624,13 +614,6 @@ def _attention_grad_src_lanes(H: int, C: int, slope: float, p: float, seed: int)
                     acc(0, acc(0) + times(a, mk) * dy[d, f])
                     acc(1, acc(1) + times(ar, mk) * dy[d, f])
                     acc(2, acc(2) + ar * stats[d, 3 * H + h])
-
-            def cells(buf, idx):
-                def acc(k, v=None):
-                    if v is None:
-                        return buf[(*idx, k)]
-                    T.buffer_store(buf, v, [*idx, k])
-                return acc
 
             part = T.sblock_alloc_buffer((t, F, 3), f32)  # a task's d x, B, E per lane
             tacc = T.sblock_alloc_buffer((t, H, C, 3), f32)

@@ -158,11 +158,7 @@ def gpu_mm_tiles(K: int, M: int) -> MmTiles:
     staged tiles; preferred: 128 threads or more, then up to 16 results per thread less
     the padding, then more threads, then longer k steps (fewer synchronizations)."""
     best = None
-    for tb in range(1, 9):
-        nx = -(-M // tb)
-        if nx > GPU_TN_THREADS or (tb > 1 and -(-M // (tb - 1)) == nx):
-            continue
-        Mp = tb * nx
+    for tb, nx, Mp in _column_tiles(M):
         for ta in range(1, 9):
             for ny in {1, 2, 4, 8, 16, 32, 64, 128, 256}:
                 threads = nx * ny
@@ -525,6 +521,16 @@ def _round_up(v: int, m: int) -> int:
     return -(-v // m) * m
 
 
+def _column_tiles(M: int):
+    """(tb, nx, Mp) for the GPU products' columns: ``nx`` threads each owning ``tb`` of
+    ``Mp = tb * nx >= M`` columns; a tb that needs as many threads as a smaller one (only
+    more padding) is skipped."""
+    for tb in range(1, 9):
+        nx = -(-M // tb)
+        if nx <= GPU_TN_THREADS and not (tb > 1 and -(-M // (tb - 1)) == nx):
+            yield tb, nx, tb * nx
+
+
 def _thread_rows(K: int, ta: int, nx: int) -> set[int]:
     """Candidate rows of threads: as many as fit beside ``nx`` columns (or K needs), and
     the powers of two below (fewer rows let a narrow y tile be copied whole)."""
@@ -540,13 +546,10 @@ def gpu_tn_tiles(K: int, M: int) -> TnTiles:
     x feeds ``tb`` products, each of y ``ta``) less the work spent on padding, then more
     threads."""
     best = None
-    for tb in range(1, 9):
-        nx = -(-M // tb)
-        if nx > GPU_TN_THREADS or (tb > 1 and -(-M // (tb - 1)) == nx):
-            continue  # too wide, or the same threads as a smaller tile with more padding
+    for tb, nx, Mp in _column_tiles(M):
         for ta, ny in ((ta, ny) for ta in range(1, 9) for ny in _thread_rows(K, ta, nx)):
             threads, BK = nx * ny, ta * ny
-            Kp, Mp = _round_up(K, BK), tb * nx
+            Kp = _round_up(K, BK)
             # staged rows: each thread copies whole elements of both tiles
             R = math.lcm(threads // math.gcd(threads, BK), threads // math.gcd(threads, Mp))
             R *= -(-16 // R) if R < 16 else 1

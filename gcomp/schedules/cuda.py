@@ -255,6 +255,20 @@ def _edge_dot(sch) -> None:
 
 
 # ---------------------------------------------------------------------- dense kernels
+def _stage_in_shared(sch, names, at, ny: int, nx: int) -> None:
+    """The staging blocks ``names`` (a tile of an operand, zero-padded in the definition)
+    in shared memory, copied anew at loop ``at`` by all ``ny`` x ``nx`` threads of the
+    block, neighbouring threads on neighbouring floats; each copies whole elements (the
+    tile plans make the sizes divide)."""
+    for name in names:
+        stage = sch.get_sblock(name)
+        sch.set_scope(stage, 0, "shared")
+        sch.compute_at(stage, at, preserve_unit_loops=True)
+        _, fy, fx = sch.split(sch.fuse(*sch.get_loops(stage)[-2:]), [None, ny, nx])
+        sch.bind(fy, "threadIdx.y")
+        sch.bind(fx, "threadIdx.x")
+
+
 def _matmul(sch, K: int, M: int) -> None:
     """GPU definition (``gpu=True``, tiles from ``gpu_mm_tiles``): a block per ``R`` rows;
     per step of ``KT`` columns of x its threads copy the rows' slice of x and ``KT`` rows
@@ -274,13 +288,7 @@ def _matmul(sch, K: int, M: int) -> None:
     sch.bind(v, "threadIdx.x")
     sch.set_scope(acc, 0, "local")
     sch.reverse_compute_at(sch.get_sblock("out"), v)
-    for name in ("xs", "ws"):
-        stage = sch.get_sblock(name)
-        sch.set_scope(stage, 0, "shared")
-        sch.compute_at(stage, kt, preserve_unit_loops=True)
-        _, fy, fx = sch.split(sch.fuse(*sch.get_loops(stage)[-2:]), [None, tl.ny, tl.nx])
-        sch.bind(fy, "threadIdx.y")
-        sch.bind(fx, "threadIdx.x")
+    _stage_in_shared(sch, ("xs", "ws"), kt, tl.ny, tl.nx)
     sch.decompose_reduction(acc, kt)
 
 
@@ -310,13 +318,7 @@ def _matmul_tn(sch, K: int, M: int) -> None:
     sch.bind(ay, "threadIdx.y")
     sch.bind(v, "threadIdx.x")
     _in_register(sch, part, "part", v)
-    for name in ("xs", "ys"):  # the staged rows: each thread copies R * width / threads
-        stage = sch.get_sblock(name)
-        sch.set_scope(stage, 0, "shared")
-        sch.compute_at(stage, t, preserve_unit_loops=True)
-        _, fy, fx = sch.split(sch.fuse(*sch.get_loops(stage)[-2:]), [None, tl.ny, tl.nx])
-        sch.bind(fy, "threadIdx.y")
-        sch.bind(fx, "threadIdx.x")
+    _stage_in_shared(sch, ("xs", "ys"), t, tl.ny, tl.nx)
     sch.decompose_reduction(part, t)
     total = sch.get_sblock("sum")
     tx = _bind_loops(sch, sch.get_loops(total)[:2], divisor_at_most(K * M, THREADS))
