@@ -18,6 +18,9 @@ cp -r gcomp "$site/" && cp -r models "$site/gcomp/models" && cp -r tests bench "
 # TVM's CUDA plugin links libcudart.so.13: the toolkit's, or the one PyTorch's wheels bring
 cudart=$(python3 -c 'import glob, site; print(":".join(d for p in site.getsitepackages() for d in glob.glob(p + "/nvidia/*/lib")))')
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" TVM_USE_RUNTIME_LIB=1 PYTHONUNBUFFERED=1
+# synthetic graphs are made once per run and read back by the next model's process
+# (a Reddit-size graph takes minutes to make)
+export GCOMP_BENCH_GRAPHS="$work/graphs"
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64:$cudart${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 mkdir -p "$out"
 cd "$work"
