@@ -10,7 +10,7 @@ Thread layouts used here:
 
 * **rows x lanes** (``_bind_rows``), for kernels that are a spatial block over
   (row, features) whose body loops over the row's edges (aggregation, segment
-  reductions, argmax, edge softmax, matmul): ``lanes`` threads (one per feature
+  reductions, argmax, edge softmax, GAT's attention): ``lanes`` threads (one per feature
   up to ``THREADS``, ``lanes_for``) cover the feature axis, so neighbouring threads
   read neighbouring floats of one gathered row, and a block holds
   ``THREADS // lanes`` rows.  Each thread accumulates its output element in a
@@ -24,8 +24,10 @@ Thread layouts used here:
   deterministic (the same inputs give the same bits).
 * reductions over rows into a small static output (``matmul_tn``, ``colsum``) use
   the chunked definitions (partial sums per chunk of rows, then their sum) with
-  more chunks on the GPU (``DEFINITION_PARAMS``); ``matmul_tn`` stages rows in shared
-  memory and keeps a register tile per thread.
+  more chunks on the GPU (``DEFINITION_PARAMS``).
+* **shared-memory tiles** (``_stage_in_shared``): the products, ``matmul`` and
+  ``matmul_tn``, have GPU definitions that stage zero-padded tiles of both operands;
+  all threads of a block copy them, then each thread keeps a register tile.
 
 Aggregation strategies: ``AGG_STRATEGIES`` maps a name to a schedule;
 ``agg_strategy(spec)`` picks one (today always ``rows``).  Rows longer than
@@ -37,8 +39,8 @@ chosen by the bound graph like the sparse-feature variant.
 Pitfalls of TVM 0.27's CUDA path (``shared/notes/tvm.md``) this file respects:
 static loops are only split by factors that divide them (``lanes_for``); loop kinds
 are only chosen here, never written in kernel bodies; no shared memory under a row
-predicate (only the scalar reductions and ``matmul_tn``'s staged rows use shared
-memory, and neither has a predicate around it); a function with two thread-bound
+predicate (only the scalar reductions and the products' staged tiles use shared
+memory, and none has a predicate around it); a function with two thread-bound
 nests becomes two kernel launches (``colsum``, ``matmul_tn`` and the losses do
 this on purpose, their intermediates are allocated by the host); no block
 reduces over a data-dependent loop across threads (edge loops stay serial in
