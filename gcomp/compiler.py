@@ -177,4 +177,5 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
                             cpu_features=cpu_features)
     art = Artifact(manifest, plan, params, lib_path.read_bytes(), ir, train_plan)
     art.graphs = {"inference": ir_graph, "training": tgraph if train else None}  # not saved
+    art.specs = specs  # not saved either: what gcomp.debug.cuda_emulator runs
     return art
