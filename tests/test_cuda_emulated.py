@@ -3,7 +3,8 @@
 host thread, so the schedules' thread layouts, shared-memory staging, synchronization and
 bound checks are checked on every machine, as ``tests/gpu`` checks them on a GPU.
 
-Forward passes against the float64 interpreter; a training step with dropout, on a graph
+Forward passes against the float64 interpreter (and the ONNX corpus against PyG's
+outputs); a training step with dropout, on a graph
 whose rows of in- and out-edges exceed ``graph.HUB_EDGES`` (so every aggregation and
 GAT's attention kernels run their hub tasks), against the CPU build: loss, gradients and
 the parameters Adam updates."""
@@ -14,6 +15,8 @@ import shutil
 import numpy as np
 import pytest
 from conftest import awkward_graph, ref_inputs, rel_err
+
+from corpus import CORPUS, FIX, STEMS, fixed_graph
 
 import gcomp.models as models
 from gcomp.compiler import compile_model
@@ -40,6 +43,15 @@ def test_forward_against_the_interpreter(name):
     out = emulated(compile_model(m, "cuda")).run(g)[0]
     ref = interpret(m.graph, ref_inputs(m.graph, g), m.params)[0]
     assert rel_err(out, ref) <= 1e-4
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_onnx_exports_against_pyg(stem):
+    """Every PyG export of the ONNX corpus: the CUDA build's forward on the corpus's graph
+    against the output PyG computed there."""
+    from gcomp.frontend.onnx import import_onnx
+    art = emulated(compile_model(import_onnx(CORPUS / f"{stem}.onnx"), "cuda"))
+    assert rel_err(art.run(fixed_graph(stem))[0], FIX[f"out.{stem}"]) <= 1e-4
 
 
 @functools.lru_cache(maxsize=1)
