@@ -275,3 +275,29 @@ def test_products_wider_than_128_columns_compile(M, epilogue, tmp_path):
     dev = cuda_build.inspect_library(path)
     assert any(k.startswith(f"{spec.name}_kernel") for k in dev["kernels"])
     assert M > THREADS // 2
+
+
+def test_cuda_artifact_of_an_older_plan_version_is_refused(tmp_path):
+    """Plans before version 3 bound hub tasks without their row (t x 2); a CUDA artifact
+    of such a plan, whose kernels read two columns, is refused with the reason instead of
+    running its kernels on the wider array.  A CPU artifact of version 2 has no hub tasks
+    and still loads."""
+    import json
+    from test_artifact_cli import _rewrite
+
+    from gcomp.errors import ArtifactError
+    m = _small("gcn")
+    for target, refused in (("cuda", True), ("llvm", False)):
+        path = compile_model(m, target).save(tmp_path / f"{target}.gcomp")
+        old = tmp_path / f"{target}-v2.gcomp"
+
+        def edit(members):
+            man = json.loads(members["manifest.json"])
+            man["plan_version"] = 2
+            members["manifest.json"] = json.dumps(man).encode()
+        _rewrite(path, old, edit)
+        if refused:
+            with pytest.raises(ArtifactError, match="hub tasks without their row.*recompile"):
+                artifact.load(old)
+        else:
+            assert artifact.load(old).plan.steps
