@@ -124,11 +124,8 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
     if precision not in PRECISIONS:
         raise CompileError(f"unknown precision {precision!r}; choose one of "
                            f"{', '.join(PRECISIONS)}")
-    if precision == "bf16" and target != "llvm":
-        # the CUDA kernels compile with bfloat16 arguments, but no GPU test covers them yet
-        raise CompileError("--precision bf16 is supported for -t llvm only so far")
     tgt = make_target(target, mcpu=mcpu, arch=arch)
-    if precision == "bf16" and mcpu is None and host_has_amx():
+    if precision == "bf16" and tgt["kind"] == "llvm" and mcpu is None and host_has_amx():
         tgt["mattr"] = list(AMX_MATTR)  # LLVM may not know this CPU has them
     cpu_features = ["amx"] if precision == "bf16" and has_amx(tgt) else []
     formats = target_formats(tgt) if formats is None else tuple(formats)

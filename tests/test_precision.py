@@ -115,10 +115,19 @@ def test_distributed_training_refuses_bfloat16_artifacts():
         DistributedTrainer(art, g, comm=Comm())
 
 
-def test_cuda_bfloat16_is_refused_until_run_on_a_gpu():
-    m = models.build("gcn", 8, hidden=8, out_channels=2, layers=2)
-    with pytest.raises(CompileError, match="-t llvm only"):
-        compile_model(m, "cuda", precision="bf16")
+def test_cuda_judges_the_scheduled_gpu_forms():
+    """On CUDA the pass judges each kernel as scheduled for the GPU: the split aggregation
+    sums in a float32 register (its bfloat16 output is stored once), the plain one in a
+    register copy of its output (a bfloat16 register: it keeps the output float32); a
+    decision made for one target is not reused for another."""
+    from gcomp.codegen.precision import _accepted
+    cuda, llvm = make_target("cuda"), make_target("llvm")
+    names = frozenset({"x", "out"})
+    split = KernelSpec.make("csr_agg", reduce="sum", H=1, C=16, weight="none", split=True)
+    plain = KernelSpec.make("csr_agg", reduce="sum", H=1, C=16, weight="none")
+    assert _accepted(split, names, cuda) == names
+    assert _accepted(plain, names, cuda) == {"x"}
+    assert _accepted(plain, names, llvm) == names  # the CPU's rows sum in float32 vectors
 
 
 @pytest.mark.parametrize("force", [None, True, False])

@@ -107,6 +107,10 @@ def csr_agg(reduce: str, H: int, C: int, weight: str, indirect: bool = False,
                         T.writes(part[vk, f])
                         T.buffer_store(part, init, [vk, f])
                         reduce_edges(part, [vk, f], f, vh, tasks[vk, 0], tasks[vk, 1])
+            total = out
+            if split:
+                total = T.sblock_alloc_buffer((n, F), f32)
+                IRBuilder.name("total", total)
             with T.grid(n, H, C) as (i, h, c):
                 IRBuilder.name_many(["i", "h", "c"], [i, h, c])
                 with T.sblock("row"):
@@ -116,21 +120,24 @@ def csr_agg(reduce: str, H: int, C: int, weight: str, indirect: bool = False,
                     IRBuilder.name_many(["vi", "vh", "vc"], [vi, vh, vc])
                     f = vh * C + vc
                     reads = [indptr[vi:vi + 2], *edge_reads(f)]
+                    # the CPU's form sums into the output element (its vectorized rows);
+                    # the GPU's into a float32 scratch its schedule keeps in a register,
+                    # so an output stored as bfloat16 is rounded once
                     if split:
                         reads += [hub[vi:vi + 2], part[0:t, f]]
                     T.reads(*reads)
-                    T.writes(out[vi, f])
-                    T.buffer_store(out, init, [vi, f])
+                    T.writes(out[vi, f], *([total[vi, f]] if split else []))
+                    T.buffer_store(total, init, [vi, f])
                     end = indptr[vi + 1]
                     if split:  # a hub row sums its tasks' partials and none of its edges
                         with T.serial(hub[vi], hub[vi + 1]) as q:
-                            acc = out[vi, f]
+                            acc = total[vi, f]
                             val = part[q, f]
-                            T.buffer_store(out, tirx.max(acc, val) if reduce == "max"
+                            T.buffer_store(total, tirx.max(acc, val) if reduce == "max"
                                            else acc + val, [vi, f])
                         end = tirx.Select(hub[vi + 1] > hub[vi], indptr[vi], end)
-                    reduce_edges(out, [vi, f], f, vh, indptr[vi], end)
-                    res = _finish(reduce, out[vi, f], indptr[vi + 1] - indptr[vi])
+                    reduce_edges(total, [vi, f], f, vh, indptr[vi], end)
+                    res = _finish(reduce, total[vi, f], indptr[vi + 1] - indptr[vi])
                     res = epi.apply(epilogue, res, lambda k: extra[k][epi.index(extras[k], vi, f)])
                     T.buffer_store(out, res, [vi, f])
     return ib.get()
@@ -292,7 +299,9 @@ def attention_agg(H: int, C: int, slope: float, p: float = 0.0, seed: int = 0,
                                cells(part, [vk]))
                         T.buffer_store(pstat, st(0), [vk, f, 0])
                         T.buffer_store(pstat, st(1), [vk, f, 1])
-            stat = T.sblock_alloc_buffer((n, H, C, 2), f32)
+            # the row's maximum and sum; the GPU's form (split) sums its weighted row there
+            # too, a float32 register, so an output stored as bfloat16 is rounded once
+            stat = T.sblock_alloc_buffer((n, H, C, 3 if split else 2), f32)
             IRBuilder.name("stat", stat)
             with T.grid(n, H, C) as (i, h, c):
                 with T.sblock("row"):
@@ -309,11 +318,15 @@ def attention_agg(H: int, C: int, slope: float, p: float = 0.0, seed: int = 0,
                                  lambda q: pstat[q, f, 1], lambda q: part[q, f])
                         end = tirx.Select(hub[vi + 1] > hub[vi], indptr[vi], end)
                     T.reads(*reads)
-                    T.writes(out[vi, f], stat[vi, vh, vc, 0:2])
+                    T.writes(out[vi, f], stat[vi, vh, vc, 0:3 if split else 2])
                     st = cells(stat, [vi, vh, vc])
-                    sweeps(vi, vh, f, indptr[vi], end, st, cells(out, [vi]), merge)
+                    row = cells(out, [vi])
+                    if split:
+                        def row(_f, v=None, st=st):
+                            return st(2, v)
+                    sweeps(vi, vh, f, indptr[vi], end, st, row, merge)
                     total = st(1)
-                    res = tirx.Select(total > zero, out[vi, f] / total, zero)
+                    res = tirx.Select(total > zero, row(f) / total, zero)
                     res = epi.apply(epilogue, res, lambda k: extra[k][epi.index(extras[k], vi, f)])
                     T.buffer_store(out, res, [vi, f])
     return ib.get()

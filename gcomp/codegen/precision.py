@@ -163,12 +163,12 @@ def _accepted(spec: KernelSpec, names: frozenset, tgt: dict) -> frozenset:
     """The arguments among ``names`` the kernel takes as bfloat16: all, or those added one
     at a time (in name order) while it still does (its definition mixes some of them with
     float32 values it cannot widen, or adds into one)."""
-    key = (spec.name, names)
+    key = (spec.name, names, str(sorted(tgt.items())))  # the target decides: see _judged
     if key not in _ACCEPTED:
         def takes(sub: frozenset) -> bool:
             try:
-                func = define(KernelSpec.make(spec.kind, **spec.p, bf16=tuple(sorted(sub))),
-                              tgt)
+                func = _judged(KernelSpec.make(spec.kind, **spec.p, bf16=tuple(sorted(sub))),
+                               tgt)
             except CompileError:
                 return False
             return not _accumulated(func) & sub
@@ -183,13 +183,35 @@ def _accepted(spec: KernelSpec, names: frozenset, tgt: dict) -> frozenset:
     return _ACCEPTED[key]
 
 
-_ACCEPTED: dict = {}  # (kernel, arguments asked for) -> the arguments it takes as bfloat16
+_ACCEPTED: dict = {}  # (kernel, arguments asked for, target) -> those it takes as bfloat16
+
+
+def _judged(spec: KernelSpec, tgt: dict):
+    """The kernel as the target runs it: the CPU's definition, or on CUDA its GPU form as
+    scheduled (where a register of the argument's type holds a sum, ``_accumulated`` sees
+    it); a CompileError where it cannot be built so."""
+    if tgt["kind"] != "cuda":
+        return define(spec, tgt)
+    import tvm
+
+    from gcomp.codegen import cuda_build
+    from gcomp.schedules.cuda import schedule
+    sch = tvm.s_tir.Schedule(tvm.IRModule({"main": define(cuda_build.cuda_spec(spec))}))
+    try:
+        schedule(sch, spec)
+    except Exception as e:  # noqa: BLE001 - a schedule refusing the bfloat16 arguments
+        raise CompileError(f"{spec.kind} does not schedule with bfloat16 arguments: {e}") \
+            from e
+    return sch.mod["main"]
 
 
 def _accumulated(func) -> set:
     """Arguments a kernel both stores into and loads from (from its TensorIR text), or
-    stores a bfloat16 constant into (TVM 0.27 cannot lower that store)."""
-    names = set(param_dtypes(func))
+    stores a bfloat16 constant into (TVM 0.27 cannot lower that store).  A scheduled
+    kernel's register copy of an argument (``{name}_local``, of the argument's type)
+    counts as the argument: a sum kept there is rounded at every term all the same."""
+    params = set(param_dtypes(func))
+    names = params | {f"{p}_local" for p in params}
     written, read = set(), set()
     func_lines = func.script().splitlines()
     for k, line in enumerate(func_lines):
@@ -204,7 +226,7 @@ def _accumulated(func) -> set:
             if "T.bfloat16(" in body and _in_vector_loop(func_lines, k):
                 read.add(target[0])  # a constant TVM 0.27 cannot store as a vector
         read.update(m for m in re.findall(r"\b(\w+)\[", body) if m in names)
-    return written & read
+    return {name.removesuffix("_local") for name in written & read} & params
 
 
 def _in_vector_loop(lines: list, k: int) -> bool:

@@ -73,6 +73,31 @@ static thread_local int emu_tid;
 #define uchar unsigned char
 #define ushort unsigned short
 
+/* bfloat16 as CUDA stores it (--precision bf16): the upper half of a float, rounded to
+   nearest even; arithmetic on it is float arithmetic */
+struct nv_bfloat16 {
+  uint16_t bits;
+  nv_bfloat16() = default;
+  nv_bfloat16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) { bits = (uint16_t)((u >> 16) | 0x40u); return; }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    bits = (uint16_t)(u >> 16);
+  }
+  nv_bfloat16(double d) : nv_bfloat16((float)d) {}
+  nv_bfloat16(int i) : nv_bfloat16((float)i) {}
+  operator float() const {
+    uint32_t u = (uint32_t)bits << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+};
+static inline nv_bfloat16 __float2bfloat16_rn(float f) { return nv_bfloat16(f); }
+static inline nv_bfloat16 __float2bfloat16(float f) { return nv_bfloat16(f); }
+static inline float __bfloat162float(nv_bfloat16 b) { return (float)b; }
+
 static inline void __syncthreads() { emu_block_barrier->arrive_and_wait(); }
 
 static inline unsigned int __activemask() {
@@ -116,6 +141,8 @@ static inline int max(int a, int b) { return std::max(a, b); }
 static inline int min(int a, int b) { return std::min(a, b); }
 static inline int64_t max(int64_t a, int64_t b) { return std::max(a, b); }
 static inline int64_t min(int64_t a, int64_t b) { return std::min(a, b); }
+static inline nv_bfloat16 max(nv_bfloat16 a, nv_bfloat16 b) { return std::fmax((float)a, (float)b); }
+static inline nv_bfloat16 min(nv_bfloat16 a, nv_bfloat16 b) { return std::fmin((float)a, (float)b); }
 static inline int __float_as_int(float x) { int r; std::memcpy(&r, &x, 4); return r; }
 static inline float __int_as_float(int x) { float r; std::memcpy(&r, &x, 4); return r; }
 static inline unsigned __float_as_uint(float x) { unsigned r; std::memcpy(&r, &x, 4); return r; }
@@ -336,10 +363,9 @@ class EmulatedKernel:
             if not isinstance(p.ty, tirx.buffer.BufferType):  # a scalar parameter
                 env.bind(p, a, param=True)
                 continue
-            arr = a if isinstance(a, np.ndarray) else np.from_dlpack(a)
-            keep.append(arr)
-            env.bind(p, arr.ctypes.data, param=True)
-            for dim, size in zip(p.shape, arr.shape):
+            keep.append(a)
+            env.bind(p, a.ctypes.data if isinstance(a, np.ndarray) else a.data_ptr(), param=True)
+            for dim, size in zip(p.shape, a.shape):
                 if isinstance(dim, tirx.Var):
                     env.bind(dim, int(size))
         self._run(self.program, env, keep)

@@ -180,7 +180,10 @@ def _agg_rows(sch, spec) -> None:
         _in_register(sch, task, "part", fi)
     blk = sch.get_sblock("row")
     _, fi = _bind_rows(sch, blk)
-    _in_register(sch, blk, "out", fi)
+    if spec.p.get("split"):  # the row's float32 sum (``total``) in a register
+        sch.set_scope(blk, _write_index(sch, blk, "total"), "local")
+    else:
+        _in_register(sch, blk, "out", fi)
 
 
 AGG_STRATEGIES = {"rows": _agg_rows}
@@ -200,7 +203,8 @@ def _argmax(sch) -> None:
 
 def _attention(sch, spec) -> None:
     """GAT's fused attention: rows x lanes like aggregation; every lane keeps the row's
-    score maximum and sum (``stat``) and its output element in registers.  The hub
+    score maximum, sum (``stat``) and its output element (the split form: in ``stat``)
+    in registers.  The hub
     tasks (``split``) get the same layout, their partial row in registers too."""
     if spec.p.get("split"):
         task = sch.get_sblock("task")
@@ -210,7 +214,8 @@ def _attention(sch, spec) -> None:
     blk = sch.get_sblock("row")
     sch.set_scope(blk, _write_index(sch, blk, "stat"), "local")
     _, fi = _bind_rows(sch, blk, n_row_loops=2)
-    _in_register(sch, blk, "out", fi)
+    if not spec.p.get("split"):  # (the split form sums its row in ``stat`` already)
+        _in_register(sch, blk, "out", fi)
 
 
 def _attention_grad(sch, spec) -> None:

@@ -78,9 +78,10 @@ def artifact_name(nodeid: str, target: str) -> str:
 
 @pytest.fixture
 def build(request):
-    """``build(model, *targets, train=False)``: one artifact per target, compiled here,
-    or (prepare mode) compiled, saved and the test skipped, or (prepared mode) loaded."""
-    def _build(model, *targets, train=False):
+    """``build(model, *targets, train=False, precision="fp32")``: one artifact per target,
+    compiled here, or (prepare mode) compiled, saved and the test skipped, or (prepared
+    mode) loaded."""
+    def _build(model, *targets, train=False, precision="fp32"):
         names = [artifact_name(request.node.nodeid, t) for t in targets]
         if PREPARED:
             from gcomp.runtime.artifact import load
@@ -91,7 +92,7 @@ def build(request):
                     assert np.array_equal(art.params[k], np.asarray(v, np.float32)), k
             return arts
         from gcomp.compiler import compile_model
-        arts = [compile_model(model, t, train=train,
+        arts = [compile_model(model, t, train=train, precision=precision,
                               mcpu=PORTABLE_MCPU if (PREPARE and t == "llvm") else None)
                 for t in targets]
         if PREPARE:

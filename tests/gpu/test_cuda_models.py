@@ -148,6 +148,22 @@ def test_training_step_with_hub_rows(build, name):
         assert rel_err(gpu.parameters()[k][clear], v[clear]) <= 1e-4, k
 
 
+@pytest.mark.parametrize("name", MODELS)
+def test_bf16_forward_and_training_step(build, name):
+    """--precision bf16 on the GPU (checked so far in the CUDA emulator only,
+    tests/test_cuda_emulated.py): the forward pass within bfloat16's rounding of the
+    float64 interpreter; a training step's loss within it of the float32 CPU build's."""
+    g = labelled(awkward_graph(num_nodes=300, num_edges=3000, num_features=12, seed=4), 3)
+    m = build_model(name, 12, 16, out_channels=3, layers=3, heads=2, seed=1)
+    gpu_art, cpu_art = build(m, "cuda", "llvm", train=True, precision="bf16")
+    assert gpu_art.train_plan.precision["bfloat16"]
+    out = gpu_art.run(g)[0]
+    err = rel_err(out, interpret(m.graph, ref_inputs(m.graph, g), m.params)[0])
+    assert 1e-4 < err < 3e-2, err
+    lg, lc = Trainer(gpu_art, g, seed=2).step(), Trainer(cpu_art, g, seed=2).step()
+    assert abs(lg - lc) <= 3e-2 * abs(lc)
+
+
 def test_cli_train_on_gpu(capsys, artifact_mode):
     import json
 
