@@ -122,6 +122,18 @@ def test_op_kernels_against_the_cpu_build(op):
     assert not {p: rel_err(grads[p], ref[p]) for p in ref if rel_err(grads[p], ref[p]) > 1e-4}
 
 
+@pytest.mark.parametrize("F,n", [(32, 5), (32, 10_000), (7, 4099), (96, 3000)])
+def test_column_sums_against_numpy(F, n):
+    """The GPU column sum (bias gradients): fewer rows than chunks, more, and widths that
+    are no multiple of a warp, against numpy in float64."""
+    from gcomp.codegen.kernels import KernelSpec
+    from gcomp.debug.cuda_emulator import EmulatedLibrary
+    x = np.random.default_rng(F + n).standard_normal((n, F)).astype(np.float32)
+    out = np.full(F, np.nan, np.float32)
+    EmulatedLibrary({"k": KernelSpec.make("colsum", F=F)})["k"](x, out)
+    np.testing.assert_allclose(out, x.astype(np.float64).sum(0), rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_bf16_forward_within_bfloat16_rounding(name):
     """--precision bf16 on CUDA: activations stored in 16 bits (the plan has some), sums

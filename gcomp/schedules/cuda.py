@@ -54,7 +54,7 @@ THREADS = 256  # threads per block
 # Extra definer parameters for the CUDA variant of some kernel kinds (their CPU defaults
 # keep CPU kernels unchanged).  More row chunks: a GPU wants thousands of threads.
 DEFINITION_PARAMS = {
-    "colsum": {"gpu": True, "chunks": 256},
+    "colsum": {"gpu": True},
     "matmul": {"gpu": True},
     "matmul_tn": {"gpu": True},
 }
@@ -300,10 +300,18 @@ def _matmul(sch, K: int, M: int) -> None:
 
 
 def _colsum(sch, F: int) -> None:
+    """GPU definition (``gpu=True``): rows x lanes over (chunk, column) for the partial
+    sums, then a block of threads per column adding its chunks' partials, each a strided
+    share, then a warp-shuffle tree (``gpu_colsum_chunks`` says why)."""
     part = sch.get_sblock("part")
     _, fi = _bind_rows(sch, part)
     _in_register(sch, part, "part", fi)
-    _bind_flat(sch, sch.get_sblock("sum"))
+    total = sch.get_sblock("sum")
+    f, q = sch.get_loops(total)
+    qo, qi = sch.split(q, [None, THREADS])
+    sch.reorder(f, qi, qo)
+    sch.bind(f, "blockIdx.x")
+    sch.bind(qi, "threadIdx.x")
 
 
 def _matmul_tn(sch, K: int, M: int) -> None:
