@@ -22,6 +22,8 @@ split)], out (float32, n x H*C).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
@@ -97,49 +99,37 @@ def csr_agg(reduce: str, H: int, C: int, weight: str, indirect: bool = False,
             if split:
                 part = T.sblock_alloc_buffer((t, F), f32)
                 IRBuilder.name("part", part)
-                with T.grid(t, H, C) as (k, h, c):
-                    with T.sblock("task"):
-                        vk = T.axis.spatial(t, k)
-                        vh = T.axis.spatial(H, h)
-                        vc = T.axis.spatial(C, c)
-                        f = vh * C + vc
-                        T.reads(tasks[vk, 0:2], *edge_reads(f))
-                        T.writes(part[vk, f])
-                        T.buffer_store(part, init, [vk, f])
-                        reduce_edges(part, [vk, f], f, vh, tasks[vk, 0], tasks[vk, 1])
+                with lanes_block("task", t, H, C, row="k") as (vk, vh, _, f):
+                    T.reads(tasks[vk, 0:2], *edge_reads(f))
+                    T.writes(part[vk, f])
+                    T.buffer_store(part, init, [vk, f])
+                    reduce_edges(part, [vk, f], f, vh, tasks[vk, 0], tasks[vk, 1])
             total = out
             if split:
                 total = T.sblock_alloc_buffer((n, F), f32)
                 IRBuilder.name("total", total)
-            with T.grid(n, H, C) as (i, h, c):
-                IRBuilder.name_many(["i", "h", "c"], [i, h, c])
-                with T.sblock("row"):
-                    vi = T.axis.spatial(n, i)
-                    vh = T.axis.spatial(H, h)
-                    vc = T.axis.spatial(C, c)
-                    IRBuilder.name_many(["vi", "vh", "vc"], [vi, vh, vc])
-                    f = vh * C + vc
-                    reads = [indptr[vi:vi + 2], *edge_reads(f)]
-                    # the CPU's form sums into the output element (its vectorized rows);
-                    # the GPU's into a float32 scratch its schedule keeps in a register,
-                    # so an output stored as bfloat16 is rounded once
-                    if split:
-                        reads += [hub[vi:vi + 2], part[0:t, f]]
-                    T.reads(*reads)
-                    T.writes(out[vi, f], *([total[vi, f]] if split else []))
-                    T.buffer_store(total, init, [vi, f])
-                    end = indptr[vi + 1]
-                    if split:  # a hub row sums its tasks' partials and none of its edges
-                        with T.serial(hub[vi], hub[vi + 1]) as q:
-                            acc = total[vi, f]
-                            val = part[q, f]
-                            T.buffer_store(total, tirx.max(acc, val) if reduce == "max"
-                                           else acc + val, [vi, f])
-                        end = tirx.Select(hub[vi + 1] > hub[vi], indptr[vi], end)
-                    reduce_edges(total, [vi, f], f, vh, indptr[vi], end)
-                    res = _finish(reduce, total[vi, f], indptr[vi + 1] - indptr[vi])
-                    res = epi.apply(epilogue, res, lambda k: extra[k][epi.index(extras[k], vi, f)])
-                    T.buffer_store(out, res, [vi, f])
+            with lanes_block("row", n, H, C) as (vi, vh, _, f):
+                reads = [indptr[vi:vi + 2], *edge_reads(f)]
+                # the CPU's form sums into the output element (its vectorized rows);
+                # the GPU's into a float32 scratch its schedule keeps in a register,
+                # so an output stored as bfloat16 is rounded once
+                if split:
+                    reads += [hub[vi:vi + 2], part[0:t, f]]
+                T.reads(*reads)
+                T.writes(out[vi, f], *([total[vi, f]] if split else []))
+                T.buffer_store(total, init, [vi, f])
+                end = indptr[vi + 1]
+                if split:  # a hub row sums its tasks' partials and none of its edges
+                    with T.serial(hub[vi], hub[vi + 1]) as q:
+                        acc = total[vi, f]
+                        val = part[q, f]
+                        T.buffer_store(total, tirx.max(acc, val) if reduce == "max"
+                                       else acc + val, [vi, f])
+                    end = tirx.Select(hub[vi + 1] > hub[vi], indptr[vi], end)
+                reduce_edges(total, [vi, f], f, vh, indptr[vi], end)
+                res = _finish(reduce, total[vi, f], indptr[vi + 1] - indptr[vi])
+                res = epi.apply(epilogue, res, lambda k: extra[k][epi.index(extras[k], vi, f)])
+                T.buffer_store(out, res, [vi, f])
     return ib.get()
 
 
@@ -168,6 +158,42 @@ def drop_factor(perm, j, h, H: int, step, p: float, seed: int):
 def times(v, factor):
     """v * factor, or v when there is no factor."""
     return v if factor is None else v * factor
+
+
+@contextmanager
+def lanes_block(name: str, rows, H: int, C: int, row: str = "i"):
+    """A block spatial over (row, head, channel), the nests of the aggregation kernels
+    (``rows``: the rows, or the hub tasks, ``row="k"``): yields the axes (row, head,
+    channel) and the feature index."""
+    with T.grid(rows, H, C) as (i, h, c):
+        IRBuilder.name_many([row, "h", "c"], [i, h, c])
+        with T.sblock(name):
+            vi = T.axis.spatial(rows, i)
+            vh = T.axis.spatial(H, h)
+            vc = T.axis.spatial(C, c)
+            IRBuilder.name_many(["v" + row, "vh", "vc"], [vi, vh, vc])
+            yield vi, vh, vc, vh * C + vc
+
+
+def head_sums(name: str, n, H: int, C: int, lanes, K: int, writes: list, finish) -> None:
+    """The last nest of the GPU attention forms: a block per (row, head) adds the K values
+    its C lanes left in ``lanes`` [n, F, K] into a local ``tot`` and calls
+    ``finish(row, head, tot)``."""
+    f32 = "float32"
+    with T.grid(n, H) as (i, h):
+        with T.sblock(name):
+            vi = T.axis.spatial(n, i)
+            vh = T.axis.spatial(H, h)
+            T.reads(lanes[vi, vh * C:vh * C + C, 0:K])
+            T.writes(*writes(vi, vh))
+            tot = T.sblock_alloc_buffer((K,), f32, scope="local")
+            IRBuilder.name("tot", tot)
+            for q in range(K):
+                T.buffer_store(tot, tirx.const(0.0, f32), [q])
+            with T.serial(0, C) as c:
+                for q in range(K):
+                    T.buffer_store(tot, tot[q] + lanes[vi, vh * C + c, q], [q])
+            finish(vi, vh, tot)
 
 
 def attention_spec(kind: str, n, m, nnz, H: int, C: int, p: float, extras: tuple = (),
@@ -285,50 +311,40 @@ def attention_agg(H: int, C: int, slope: float, p: float = 0.0, seed: int = 0,
                 tstat = T.sblock_alloc_buffer((t, H, C, 2), f32)
                 for buf, name in ((part, "part"), (pstat, "pstat"), (tstat, "tstat")):
                     IRBuilder.name(name, buf)
-                with T.grid(t, H, C) as (k, h, c):
-                    with T.sblock("task"):
-                        vk = T.axis.spatial(t, k)
-                        vh = T.axis.spatial(H, h)
-                        vc = T.axis.spatial(C, c)
-                        f = vh * C + vc
-                        T.reads(tasks[vk, 0:3], indices[0:nnz], s_src[0:m, vh],
-                                s_dst[0:n, vh], x[0:m, f], *drop_reads)
-                        T.writes(part[vk, f], pstat[vk, f, 0:2], tstat[vk, vh, vc, 0:2])
-                        st = cells(tstat, [vk, vh, vc])
-                        sweeps(tasks[vk, 2], vh, f, tasks[vk, 0], tasks[vk, 1], st,
-                               cells(part, [vk]))
-                        T.buffer_store(pstat, st(0), [vk, f, 0])
-                        T.buffer_store(pstat, st(1), [vk, f, 1])
+                with lanes_block("task", t, H, C, row="k") as (vk, vh, vc, f):
+                    T.reads(tasks[vk, 0:3], indices[0:nnz], s_src[0:m, vh],
+                            s_dst[0:n, vh], x[0:m, f], *drop_reads)
+                    T.writes(part[vk, f], pstat[vk, f, 0:2], tstat[vk, vh, vc, 0:2])
+                    st = cells(tstat, [vk, vh, vc])
+                    sweeps(tasks[vk, 2], vh, f, tasks[vk, 0], tasks[vk, 1], st,
+                           cells(part, [vk]))
+                    T.buffer_store(pstat, st(0), [vk, f, 0])
+                    T.buffer_store(pstat, st(1), [vk, f, 1])
             # the row's maximum and sum; the GPU's form (split) sums its weighted row there
             # too, a float32 register, so an output stored as bfloat16 is rounded once
             stat = T.sblock_alloc_buffer((n, H, C, 3 if split else 2), f32)
             IRBuilder.name("stat", stat)
-            with T.grid(n, H, C) as (i, h, c):
-                with T.sblock("row"):
-                    vi = T.axis.spatial(n, i)
-                    vh = T.axis.spatial(H, h)
-                    vc = T.axis.spatial(C, c)
-                    f = vh * C + vc
-                    reads = [indptr[vi:vi + 2], indices[0:nnz], s_src[0:m, vh], s_dst[vi, vh],
-                             x[0:m, f], *drop_reads]
-                    end = indptr[vi + 1]
-                    if split:  # a hub row merges its tasks' partials and walks no edges
-                        reads += [hub[vi:vi + 2], part[0:t, f], pstat[0:t, f, 0:2]]
-                        merge = (hub[vi], hub[vi + 1], lambda q: pstat[q, f, 0],
-                                 lambda q: pstat[q, f, 1], lambda q: part[q, f])
-                        end = tirx.Select(hub[vi + 1] > hub[vi], indptr[vi], end)
-                    T.reads(*reads)
-                    T.writes(out[vi, f], stat[vi, vh, vc, 0:3 if split else 2])
-                    st = cells(stat, [vi, vh, vc])
-                    row = cells(out, [vi])
-                    if split:
-                        def row(_f, v=None, st=st):
-                            return st(2, v)
-                    sweeps(vi, vh, f, indptr[vi], end, st, row, merge)
-                    total = st(1)
-                    res = tirx.Select(total > zero, row(f) / total, zero)
-                    res = epi.apply(epilogue, res, lambda k: extra[k][epi.index(extras[k], vi, f)])
-                    T.buffer_store(out, res, [vi, f])
+            with lanes_block("row", n, H, C) as (vi, vh, vc, f):
+                reads = [indptr[vi:vi + 2], indices[0:nnz], s_src[0:m, vh], s_dst[vi, vh],
+                         x[0:m, f], *drop_reads]
+                end = indptr[vi + 1]
+                if split:  # a hub row merges its tasks' partials and walks no edges
+                    reads += [hub[vi:vi + 2], part[0:t, f], pstat[0:t, f, 0:2]]
+                    merge = (hub[vi], hub[vi + 1], lambda q: pstat[q, f, 0],
+                             lambda q: pstat[q, f, 1], lambda q: part[q, f])
+                    end = tirx.Select(hub[vi + 1] > hub[vi], indptr[vi], end)
+                T.reads(*reads)
+                T.writes(out[vi, f], stat[vi, vh, vc, 0:3 if split else 2])
+                st = cells(stat, [vi, vh, vc])
+                row = cells(out, [vi])
+                if split:
+                    def row(_f, v=None, st=st):
+                        return st(2, v)
+                sweeps(vi, vh, f, indptr[vi], end, st, row, merge)
+                total = st(1)
+                res = tirx.Select(total > zero, row(f) / total, zero)
+                res = epi.apply(epilogue, res, lambda k: extra[k][epi.index(extras[k], vi, f)])
+                T.buffer_store(out, res, [vi, f])
     return ib.get()
 
 
@@ -465,55 +481,34 @@ def _attention_grad_dst_lanes(H: int, C: int, slope: float, p: float, seed: int)
             for buf, name in ((part, "part"), (tstat, "tstat"), (stat, "stat"), (g, "g"),
                               (sc, "sc")):
                 IRBuilder.name(name, buf)
-            with T.grid(t, H, C) as (k, h, c):
-                with T.sblock("task"):
-                    vk = T.axis.spatial(t, k)
-                    vh = T.axis.spatial(H, h)
-                    vc = T.axis.spatial(C, c)
-                    f = vh * C + vc
-                    T.reads(tasks[vk, 0:3], s_dst[0:n, vh], *edge_reads)
-                    T.writes(part[vk, f, 0:5], tstat[vk, vh, vc, 0:5])
-                    st = cells(tstat, [vk, vh, vc])
-                    sums(tasks[vk, 2], vh, f, tasks[vk, 0], tasks[vk, 1], st)
-                    for q in range(5):
-                        T.buffer_store(part, st(q), [vk, f, q])
-            with T.grid(n, H, C) as (i, h, c):
-                with T.sblock("row"):
-                    vi = T.axis.spatial(n, i)
-                    vh = T.axis.spatial(H, h)
-                    vc = T.axis.spatial(C, c)
-                    f = vh * C + vc
-                    T.reads(indptr[vi:vi + 2], hub[vi:vi + 2], part[0:t, f, 0:5], s_dst[vi, vh],
-                            dy[vi, f], *edge_reads)
-                    T.writes(g[vi, f, 0:2], sc[vi, vh, 0:3], stat[vi, vh, vc, 0:5])
-                    st = cells(stat, [vi, vh, vc])
-                    end = tirx.Select(hub[vi + 1] > hub[vi], indptr[vi], indptr[vi + 1])
-                    sums(vi, vh, f, indptr[vi], end, st,
-                         (hub[vi], hub[vi + 1], lambda q, k: part[q, f, k]))
-                    T.buffer_store(g, dy[vi, f] * st(3), [vi, f, 0])
-                    T.buffer_store(g, dy[vi, f] * st(4), [vi, f, 1])
-                    with T.If(vc == 0):
-                        with T.Then():
-                            for q in range(3):
-                                T.buffer_store(sc, st(q), [vi, vh, q])
-            with T.grid(n, H) as (i, h):
-                with T.sblock("finish"):
-                    vi = T.axis.spatial(n, i)
-                    vh = T.axis.spatial(H, h)
-                    T.reads(g[vi, vh * C:vh * C + C, 0:2], sc[vi, vh, 0:3], s_dst[vi, vh])
-                    T.writes(out[vi, vh], out[vi, H + vh], out[vi, 2 * H + vh],
-                             out[vi, 3 * H + vh])
-                    # sums(k) as finish_attention_stats reads them: max, l, sum p g,
-                    # sum p g r, sum p r
-                    tot = T.sblock_alloc_buffer((2,), f32, scope="local")
-                    IRBuilder.name("tot", tot)
-                    for q in range(2):
-                        T.buffer_store(tot, zero, [q])
-                    with T.serial(0, C) as c:
-                        for q in range(2):
-                            T.buffer_store(tot, tot[q] + g[vi, vh * C + c, q], [q])
-                    finish_attention_stats(out, vi, vh, H, s_dst[vi, vh], lambda k: (
-                        sc[vi, vh, 0], sc[vi, vh, 1], tot[0], tot[1], sc[vi, vh, 2])[k])
+            with lanes_block("task", t, H, C, row="k") as (vk, vh, vc, f):
+                T.reads(tasks[vk, 0:3], s_dst[0:n, vh], *edge_reads)
+                T.writes(part[vk, f, 0:5], tstat[vk, vh, vc, 0:5])
+                st = cells(tstat, [vk, vh, vc])
+                sums(tasks[vk, 2], vh, f, tasks[vk, 0], tasks[vk, 1], st)
+                for q in range(5):
+                    T.buffer_store(part, st(q), [vk, f, q])
+            with lanes_block("row", n, H, C) as (vi, vh, vc, f):
+                T.reads(indptr[vi:vi + 2], hub[vi:vi + 2], part[0:t, f, 0:5], s_dst[vi, vh],
+                        dy[vi, f], *edge_reads)
+                T.writes(g[vi, f, 0:2], sc[vi, vh, 0:3], stat[vi, vh, vc, 0:5])
+                st = cells(stat, [vi, vh, vc])
+                end = tirx.Select(hub[vi + 1] > hub[vi], indptr[vi], indptr[vi + 1])
+                sums(vi, vh, f, indptr[vi], end, st,
+                     (hub[vi], hub[vi + 1], lambda q, k: part[q, f, k]))
+                T.buffer_store(g, dy[vi, f] * st(3), [vi, f, 0])
+                T.buffer_store(g, dy[vi, f] * st(4), [vi, f, 1])
+                with T.If(vc == 0):
+                    with T.Then():
+                        for q in range(3):
+                            T.buffer_store(sc, st(q), [vi, vh, q])
+            # sums(k) as finish_attention_stats reads them: max, l, sum p g, sum p g r,
+            # sum p r
+            head_sums("finish", n, H, C, g, 2, lambda vi, vh: [
+                out[vi, vh], out[vi, H + vh], out[vi, 2 * H + vh], out[vi, 3 * H + vh]],
+                lambda vi, vh, tot: finish_attention_stats(
+                    out, vi, vh, H, s_dst[vi, vh], lambda k: (
+                        sc[vi, vh, 0], sc[vi, vh, 1], tot[0], tot[1], sc[vi, vh, 2])[k]))
     return ib.get()
 
 
@@ -631,53 +626,33 @@ def _attention_grad_src_lanes(H: int, C: int, slope: float, p: float, seed: int)
             part = T.sblock_alloc_buffer((t, F, 3), f32)  # a task's d x, B, E per lane
             tacc = T.sblock_alloc_buffer((t, H, C, 3), f32)
             acc_ = T.sblock_alloc_buffer((n, H, C, 3), f32)
-            bx = T.sblock_alloc_buffer((n, F), f32)
+            bx = T.sblock_alloc_buffer((n, F, 1), f32)
             for buf, name in ((part, "part"), (tacc, "tacc"), (acc_, "acc"), (bx, "bx")):
                 IRBuilder.name(name, buf)
-            with T.grid(t, H, C) as (k, h, c):
-                with T.sblock("task"):
-                    vk = T.axis.spatial(t, k)
-                    vh = T.axis.spatial(H, h)
-                    vc = T.axis.spatial(C, c)
-                    f = vh * C + vc
-                    T.reads(tasks[vk, 0:3], s_src[0:n, vh], *edge_reads)
-                    T.writes(part[vk, f, 0:3], tacc[vk, vh, vc, 0:3])
-                    acc = cells(tacc, [vk, vh, vc])
-                    for q in range(3):
-                        acc(q, zero)
-                    accumulate(tasks[vk, 2], vh, f, tasks[vk, 0], tasks[vk, 1], acc)
-                    for q in range(3):
-                        T.buffer_store(part, acc(q), [vk, f, q])
-            with T.grid(n, H, C) as (i, h, c):
-                with T.sblock("row"):
-                    vj = T.axis.spatial(n, i)
-                    vh = T.axis.spatial(H, h)
-                    vc = T.axis.spatial(C, c)
-                    f = vh * C + vc
-                    T.reads(indptr[vj:vj + 2], hub[vj:vj + 2], part[0:t, f, 0:3],
-                            s_src[vj, vh], x[vj, f], *edge_reads)
-                    T.writes(out[vj, f], bx[vj, f], acc_[vj, vh, vc, 0:3])
-                    acc = cells(acc_, [vj, vh, vc])
-                    for q in range(3):
-                        acc(q, zero)
-                    with T.serial(hub[vj], hub[vj + 1]) as q:
-                        for r in range(3):
-                            acc(r, acc(r) + part[q, f, r])
-                    end = tirx.Select(hub[vj + 1] > hub[vj], indptr[vj], indptr[vj + 1])
-                    accumulate(vj, vh, f, indptr[vj], end, acc)
-                    T.buffer_store(out, acc(0), [vj, f])
-                    T.buffer_store(bx, x[vj, f] * acc(1) - tirx.Select(vc == 0, acc(2), zero),
-                                   [vj, f])
-            with T.grid(n, H) as (i, h):
-                with T.sblock("ds"):
-                    vj = T.axis.spatial(n, i)
-                    vh = T.axis.spatial(H, h)
-                    T.reads(bx[vj, vh * C:vh * C + C])
-                    T.writes(out[vj, F + vh])
-                    tot = T.sblock_alloc_buffer((1,), f32, scope="local")
-                    IRBuilder.name("tot", tot)
-                    T.buffer_store(tot, zero, [0])
-                    with T.serial(0, C) as c:
-                        T.buffer_store(tot, tot[0] + bx[vj, vh * C + c], [0])
-                    T.buffer_store(out, tot[0], [vj, F + vh])
+            with lanes_block("task", t, H, C, row="k") as (vk, vh, vc, f):
+                T.reads(tasks[vk, 0:3], s_src[0:n, vh], *edge_reads)
+                T.writes(part[vk, f, 0:3], tacc[vk, vh, vc, 0:3])
+                acc = cells(tacc, [vk, vh, vc])
+                for q in range(3):
+                    acc(q, zero)
+                accumulate(tasks[vk, 2], vh, f, tasks[vk, 0], tasks[vk, 1], acc)
+                for q in range(3):
+                    T.buffer_store(part, acc(q), [vk, f, q])
+            with lanes_block("row", n, H, C) as (vj, vh, vc, f):
+                T.reads(indptr[vj:vj + 2], hub[vj:vj + 2], part[0:t, f, 0:3],
+                        s_src[vj, vh], x[vj, f], *edge_reads)
+                T.writes(out[vj, f], bx[vj, f, 0], acc_[vj, vh, vc, 0:3])
+                acc = cells(acc_, [vj, vh, vc])
+                for q in range(3):
+                    acc(q, zero)
+                with T.serial(hub[vj], hub[vj + 1]) as q:
+                    for r in range(3):
+                        acc(r, acc(r) + part[q, f, r])
+                end = tirx.Select(hub[vj + 1] > hub[vj], indptr[vj], indptr[vj + 1])
+                accumulate(vj, vh, f, indptr[vj], end, acc)
+                T.buffer_store(out, acc(0), [vj, f])
+                T.buffer_store(bx, x[vj, f] * acc(1) - tirx.Select(vc == 0, acc(2), zero),
+                               [vj, f, 0])
+            head_sums("ds", n, H, C, bx, 1, lambda vj, vh: [out[vj, F + vh]],
+                      lambda vj, vh, tot: T.buffer_store(out, tot[0], [vj, F + vh]))
     return ib.get()
