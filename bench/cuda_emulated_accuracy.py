@@ -26,19 +26,17 @@ BUILDS = (("cuda", "bf16"), ("cuda", "fp32"), ("llvm", "fp32"))
 
 
 def run(epochs: int) -> list[dict]:
-    import gcomp.models as models
-    from gcomp.codegen.optimizer import OptimizerConfig
+    from bench.gpu import accuracy_model
     from gcomp.compiler import compile_model
     from gcomp.debug.cuda_emulator import EmulatedArtifact
     from gcomp.runtime.data import load_graph
     from gcomp.runtime.trainer import Trainer
     g = load_graph("cora")
-    m = models.build("gcn", g.num_features, hidden=16, out_channels=7, layers=2, seed=0)
+    m, opt = accuracy_model()  # the model and optimizer of the GPU's accuracy runs
     rows = []
     for target, precision in BUILDS:
         t0 = time.perf_counter()
-        art = compile_model(m, target, train=True, precision=precision,
-                            optimizer=OptimizerConfig(name="adam", lr=0.01, weight_decay=5e-4))
+        art = compile_model(m, target, train=True, precision=precision, optimizer=opt)
         tr = Trainer(EmulatedArtifact(art) if target == "cuda" else art, g)
         for _ in range(epochs):
             loss = tr.step()

@@ -2,10 +2,11 @@
 
 A GPU host often has no TVM compiler (``docs/cuda.md``), so this runs in two halves:
 
-``python -m bench.gpu prepare DIR [--graphs arxiv-synth,reddit-synth]``
+``python -m bench.gpu prepare DIR [--graphs arxiv-synth,reddit-synth] [--precisions fp32,bf16]``
     on any machine with nvcc: compile the CUDA artifacts the run needs into DIR
-    (3-layer GCN, GraphSAGE, GIN, GAT with 4 heads, hidden 32: inference and training;
-    and a bare sum aggregation, the SpMM, at F = 32 and 128).
+    (3-layer GCN, GraphSAGE, GIN, GAT with 4 heads, hidden 32: inference and training,
+    in each precision; a bare sum aggregation, the SpMM, at F = 32 and 128; with bf16,
+    also Cora's 2-layer GCN for the accuracy runs).
 
 ``python -m bench.gpu run DIR [--graphs ...] [--peers pyg,pyg-csr,pyg-compile] [--reps 10]
 [--out bench/results/gpu]``
@@ -18,6 +19,10 @@ A GPU host often has no TVM compiler (``docs/cuda.md``), so this runs in two hal
     after the steps (``cudaMemGetInfo`` before and after, the allocator pool included).
     Before timing, gcomp's forward output is checked against PyG eager (relative error).
     ``--profile`` adds gcomp's per-kernel times of a training step (synchronized per kernel).
+    ``--precisions fp32,bf16`` also times gcomp's bfloat16 build of every case (its forward
+    output against the float32 build's, its loss after the same steps) and trains Cora's
+    GCN ``ACCURACY_EPOCHS`` epochs in each precision (test accuracy); the peers run
+    float32.
 """
 
 from __future__ import annotations
@@ -36,10 +41,22 @@ import numpy as np
 MODELS = ("gcn", "sage", "gin", "gat")
 LAYERS, HIDDEN, HEADS = 3, 32, 4
 SPMM_WIDTHS = (32, 128)
+ACCURACY_EPOCHS = 200  # Cora, GCN 2 x 16, Adam lr 0.01, weight decay 5e-4: the runs of
+                       # bench.cuda_emulated_accuracy, so the GPU's figures meet the emulator's
 
 
-def artifact_path(d: Path, graph: str, what: str) -> Path:
-    return Path(d) / f"{graph}-{what}.gcomp"
+def artifact_path(d: Path, graph: str, what: str, precision: str = "fp32") -> Path:
+    suffix = "" if precision == "fp32" else f"-{precision}"
+    return Path(d) / f"{graph}-{what}{suffix}.gcomp"
+
+
+def accuracy_model():
+    """Cora's GCN of the accuracy runs (``bench.cuda_emulated_accuracy``'s), and its
+    optimizer."""
+    import gcomp.models
+    from gcomp.codegen.optimizer import OptimizerConfig
+    return (gcomp.models.build("gcn", 1433, hidden=16, out_channels=7, layers=2, seed=0),
+            OptimizerConfig(name="adam", lr=0.01, weight_decay=5e-4))
 
 
 def spmm_model(width: int):
@@ -68,14 +85,22 @@ def prepare(args) -> None:
         for name in args.models:
             m = gcomp.models.build(name, features, hidden=HIDDEN, out_channels=classes,
                                    layers=LAYERS, heads=HEADS, seed=0)
-            compile_model(m, "cuda").save(artifact_path(out, graph, f"{name}-infer"))
-            compile_model(m, "cuda", train=True,
-                          optimizer=OptimizerConfig(name="adam", lr=0.01)
-                          ).save(artifact_path(out, graph, f"{name}-train"))
-            print(f"prepared {graph} {name}", flush=True)
+            for prec in args.precisions:
+                compile_model(m, "cuda", precision=prec).save(
+                    artifact_path(out, graph, f"{name}-infer", prec))
+                compile_model(m, "cuda", train=True, precision=prec,
+                              optimizer=OptimizerConfig(name="adam", lr=0.01)
+                              ).save(artifact_path(out, graph, f"{name}-train", prec))
+            print(f"prepared {graph} {name} {'/'.join(args.precisions)}", flush=True)
     for width in SPMM_WIDTHS:
         compile_model(spmm_model(width), "cuda").save(artifact_path(out, "any", f"spmm{width}"))
     print(f"prepared spmm {SPMM_WIDTHS}", flush=True)
+    if len(args.precisions) > 1:
+        m, opt = accuracy_model()
+        for prec in args.precisions:
+            compile_model(m, "cuda", train=True, precision=prec, optimizer=opt).save(
+                artifact_path(out, "cora", "gcn-accuracy", prec))
+        print("prepared cora gcn-accuracy", flush=True)
 
 
 # ---------------------------------------------------------------------------- timing
@@ -236,6 +261,24 @@ def spmm_cases(d: Path, graph: str, reps: int, warmup: int) -> list[dict]:
     return rows
 
 
+def accuracy_cases(d: Path, precisions: list[str]) -> list[dict]:
+    """Cora's GCN trained ``ACCURACY_EPOCHS`` epochs from the same weights in each
+    precision: test accuracy, final loss, median epoch ms."""
+    from gcomp.runtime.artifact import load as load_artifact
+    from gcomp.runtime.data import load_graph
+    from gcomp.runtime.trainer import Trainer
+    g = load_graph("cora")
+    rows = []
+    for prec in precisions:
+        tr = Trainer(load_artifact(artifact_path(d, "cora", "gcn-accuracy", prec)), g)
+        times = timed(tr.step, tr.train_ex.sync, ACCURACY_EPOCHS - 1, 0)
+        final = tr.step()
+        rows.append({"precision": prec, **tr.evaluate(), "final_loss": final,
+                     **summary(times)})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def run(args, save) -> dict:
     """Every case of ``args``; ``save(result)`` after each, so a peer that brings the
     process down (a CUDA error in a torch.compile'd kernel) loses no earlier case.  gcomp
@@ -258,23 +301,32 @@ def run(args, save) -> dict:
             for mode in args.modes:
                 case = {"graph": graph, "model": name, "mode": mode, **w.describe()}
                 result["cases"].append(case)
-                art = load(artifact_path(d, graph, f"{name}-{'train' if mode == 'training' else 'infer'}"))
-                if any(not np.array_equal(art.params[k], v) for k, v in w.model.params.items()):
-                    raise SystemExit(f"{graph} {name}: the artifact holds other weights than "
-                                     "the workload's model: prepare it again")
-                out = None
-                try:
-                    if mode == "inference":
-                        case["gcomp"], out = gcomp_inference(art, w, args.reps, args.warmup)
-                    else:
-                        case["gcomp"] = gcomp_training(art, w, args.reps, args.warmup,
+                outs = {}
+                for prec in args.precisions:
+                    key = gcomp_key(prec)
+                    art = load(artifact_path(
+                        d, graph, f"{name}-{'train' if mode == 'training' else 'infer'}", prec))
+                    if any(not np.array_equal(art.params[k], v)
+                           for k, v in w.model.params.items()):
+                        raise SystemExit(f"{graph} {name}: the artifact holds other weights "
+                                         "than the workload's model: prepare it again")
+                    try:
+                        if mode == "inference":
+                            case[key], outs[prec] = gcomp_inference(art, w, args.reps,
+                                                                    args.warmup)
+                        else:
+                            case[key] = gcomp_training(art, w, args.reps, args.warmup,
                                                        args.profile)
-                except Exception as e:  # noqa: BLE001 - report it with the case, run the rest
-                    traceback.print_exc()
-                    case["gcomp"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-                del art
-                torch.cuda.empty_cache()
-                save(result)
+                    except Exception as e:  # noqa: BLE001 - report it with the case, run the rest
+                        traceback.print_exc()
+                        case[key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                    del art
+                    torch.cuda.empty_cache()
+                    save(result)
+                out = outs.get("fp32")
+                for prec, o in outs.items():
+                    if prec != "fp32" and out is not None:
+                        case[gcomp_key(prec)]["rel_err_vs_fp32"] = rel_err(o, out)
                 for config in sorted(args.peers, key=lambda c: c == "pyg-compile"):
                     try:
                         case[config], ref = pyg_case(config, w, mode, args.reps, args.warmup)
@@ -285,13 +337,24 @@ def run(args, save) -> dict:
                         torch.cuda.empty_cache()
                     best = [case[c]["median_ms"] for c in args.peers
                             if "median_ms" in case.get(c, {})]
-                    if best and "median_ms" in case["gcomp"]:
-                        case["speedup_vs_best_pyg"] = min(best) / case["gcomp"]["median_ms"]
+                    for prec in args.precisions:
+                        ours = case.get(gcomp_key(prec), {})
+                        if best and "median_ms" in ours:
+                            case["speedup_vs_best_pyg" + ("" if prec == "fp32" else f"_{prec}")
+                                 ] = min(best) / ours["median_ms"]
                     save(result)
-                print(json.dumps({k: v for k, v in case.items() if k != "gcomp"} |
-                                 {"gcomp": {k: v for k, v in case["gcomp"].items()
-                                            if k != "kernels"}}), flush=True)
+                print(json.dumps({k: ({kk: vv for kk, vv in v.items() if kk != "kernels"}
+                                      if k.startswith("gcomp") and isinstance(v, dict) else v)
+                                  for k, v in case.items()}), flush=True)
+    if len(args.precisions) > 1:
+        result["accuracy"] = accuracy_cases(d, args.precisions)
+        save(result)
     return result
+
+
+def gcomp_key(precision: str) -> str:
+    """A case's key for gcomp's build in ``precision``: ``gcomp`` (float32), ``gcomp-bf16``."""
+    return "gcomp" if precision == "fp32" else f"gcomp-{precision}"
 
 
 def merge(paths: list[str]) -> dict:
@@ -302,7 +365,8 @@ def merge(paths: list[str]) -> dict:
         raise SystemExit(f"results from different devices: {sorted(devices)}")
     res = dict(runs[0], command=" ; ".join(r["command"] for r in runs),
                cases=[c for r in runs for c in r["cases"]],
-               spmm=[c for r in runs for c in r["spmm"]])
+               spmm=[c for r in runs for c in r["spmm"]],
+               accuracy=[c for r in runs for c in r.get("accuracy", [])])
     return res
 
 
@@ -332,9 +396,13 @@ def markdown(res: dict) -> str:
                          f"{r['rel_err']:.1e} |")
         lines.append("")
     peers = [p for p in ("pyg", "pyg-csr", "pyg-compile") if any(p in c for c in res["cases"])]
+    bf16 = any("gcomp-bf16" in c for c in res["cases"])
+    extra = (["gcomp bf16 ms / MiB", "bf16 vs best PyG", "bf16 rel diff", "loss fp32 / bf16"]
+             if bf16 else [])
     lines += ["| graph | model | mode | gcomp ms | gcomp MiB | " +
-              " | ".join(f"{p} ms / MiB" for p in peers) + " | vs best PyG |",
-              "|" + "---|" * (6 + len(peers))]
+              " | ".join(f"{p} ms / MiB" for p in peers) + " | vs best PyG |" +
+              "".join(f" {e} |" for e in extra),
+              "|" + "---|" * (6 + len(peers) + len(extra))]
     for c in res["cases"]:
         g = c.get("gcomp", {"error": "the process died in gcomp's run"})
         if "median_ms" not in g:
@@ -346,8 +414,28 @@ def markdown(res: dict) -> str:
             cells.append(f"{r['median_ms']:.2f} / {r['peak_extra_bytes'] / 2**20:.0f}"
                          if "median_ms" in r else r.get("error", "-")[:40])
         sp = f"{c['speedup_vs_best_pyg']:.2f}x" if "speedup_vs_best_pyg" in c else "-"
-        lines.append(f"| {c['graph']} | {c['model']} | {c['mode']} | {g['median_ms']:.2f} | "
-                     f"{g['device_bytes'] / 2**20:.0f} | " + " | ".join(cells) + f" | {sp} |")
+        row = (f"| {c['graph']} | {c['model']} | {c['mode']} | {g['median_ms']:.2f} | "
+               f"{g['device_bytes'] / 2**20:.0f} | " + " | ".join(cells) + f" | {sp} |")
+        if bf16:
+            h = c.get("gcomp-bf16", {"error": "-"})
+            if "median_ms" in h:
+                sp16 = c.get("speedup_vs_best_pyg_bf16")
+                loss = (f"{g['final_loss']:.4f} / {h['final_loss']:.4f}"
+                        if "final_loss" in h else "-")
+                row += (f" {h['median_ms']:.2f} / {h['device_bytes'] / 2**20:.0f} | "
+                        f"{f'{sp16:.2f}x' if sp16 else '-'} | "
+                        f"{h.get('rel_err_vs_fp32', float('nan')):.1e} | {loss} |")
+            else:
+                row += f" {h['error'][:40]} | - | - | - |"
+        lines.append(row)
+    if res.get("accuracy"):
+        lines += ["", f"Cora, GCN 2 x 16, {ACCURACY_EPOCHS} epochs from the same weights "
+                  "(Adam lr 0.01, weight decay 5e-4):", "",
+                  "| precision | test accuracy | val accuracy | final loss | epoch ms |",
+                  "|---|---|---|---|---|"]
+        for r in res["accuracy"]:
+            lines.append(f"| {r['precision']} | {r['test_acc']:.3f} | {r['val_acc']:.3f} | "
+                         f"{r['final_loss']:.4f} | {r['median_ms']:.3f} |")
     for c in res["cases"]:
         if "kernels" in c.get("gcomp", {}):
             lines += ["", f"{c['graph']} {c['model']} training step, slowest kernels (ms): " +
@@ -368,10 +456,14 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--no-spmm", action="store_true")
+    p.add_argument("--precisions", default="fp32",
+                   help="fp32 and/or bf16: gcomp's builds to prepare and time")
     p.add_argument("--out", default="bench/results/gpu")
     args = p.parse_args(argv)
-    for k in ("graphs", "models", "modes", "peers"):
+    for k in ("graphs", "models", "modes", "peers", "precisions"):
         setattr(args, k, [s for s in getattr(args, k).split(",") if s])
+    if "fp32" not in args.precisions or set(args.precisions) - {"fp32", "bf16"}:
+        p.error("--precisions: fp32, optionally with bf16")
     if args.action == "prepare":
         prepare(args)
         return 0

@@ -1,0 +1,52 @@
+"""``bench.gpu``'s halves that run without a GPU: ``prepare`` (the artifacts a GPU host
+times, in each precision) and the report of a run with bfloat16 builds.  The timing
+half needs a GPU and is exercised there (``bench/gpu_host.sh``)."""
+
+import pytest
+
+from bench import gpu
+from gcomp.codegen import cuda_build
+from gcomp.errors import CompileError
+from gcomp.runtime import artifact
+
+
+def test_prepare_writes_each_precision(tmp_path):
+    try:
+        cuda_build.find_nvcc()
+    except CompileError as e:
+        pytest.skip(f"prepare compiles CUDA code: {e}")
+    gpu.main(["prepare", str(tmp_path), "--models", "gcn", "--precisions", "fp32,bf16"])
+    for what in ("gcn-infer", "gcn-train"):
+        fp32 = artifact.load(gpu.artifact_path(tmp_path, "arxiv-synth", what))
+        bf16 = artifact.load(gpu.artifact_path(tmp_path, "arxiv-synth", what, "bf16"))
+        plan = "train_plan" if what.endswith("train") else "plan"
+        assert not getattr(fp32, plan).precision.get("bfloat16")
+        assert getattr(bf16, plan).precision["bfloat16"]  # some activations in 16 bits
+        assert bf16.target["kind"] == "cuda"
+    for prec in ("fp32", "bf16"):  # Cora's GCN for the accuracy runs
+        acc = artifact.load(gpu.artifact_path(tmp_path, "cora", "gcn-accuracy", prec))
+        assert acc.train_plan is not None
+    assert gpu.artifact_path(tmp_path, "any", "spmm32").exists()
+
+
+def test_precisions_must_include_fp32(tmp_path):
+    with pytest.raises(SystemExit):
+        gpu.main(["prepare", str(tmp_path), "--precisions", "bf16"])
+
+
+def test_report_of_a_run_with_bf16_builds():
+    case = {"graph": "arxiv-synth", "model": "gcn", "mode": "training",
+            "gcomp": {"median_ms": 1.5, "device_bytes": 300 * 2**20, "final_loss": 3.61},
+            "gcomp-bf16": {"median_ms": 1.0, "device_bytes": 200 * 2**20, "final_loss": 3.62,
+                           "rel_err_vs_fp32": 4e-3},
+            "pyg-csr": {"median_ms": 6.0, "peak_extra_bytes": 180 * 2**20},
+            "speedup_vs_best_pyg": 4.0, "speedup_vs_best_pyg_bf16": 6.0}
+    res = {"device": "a GPU", "command": "bench.gpu run", "when": "now", "versions": {},
+           "layers": 3, "hidden": 32, "heads": 4, "reps": 10, "warmup": 3, "spmm": [],
+           "cases": [case],
+           "accuracy": [{"precision": p, "test_acc": a, "val_acc": a, "final_loss": 0.1,
+                         "median_ms": 0.2} for p, a in (("fp32", 0.806), ("bf16", 0.805))]}
+    md = gpu.markdown(res)
+    assert "| gcomp bf16 ms / MiB | bf16 vs best PyG |" in md
+    assert "| 1.00 / 200 | 6.00x | 4.0e-03 | 3.6100 / 3.6200 |" in md
+    assert "| bf16 | 0.805 |" in md
