@@ -34,7 +34,8 @@ from gcomp.codegen.kernels import arg, definer
 from gcomp.codegen.rng_expr import keep
 
 NEG_INF = -3.4028234663852886e38
-# Edges per step of the GPU aggregation's loop (the split form).  With one edge per step,
+# Edges per step of the GPU aggregations' loops (the split forms of csr_agg and
+# attention_agg: ``edge_groups``).  With one edge per step,
 # nvcc unrolled the loop by 4 and left up to 3 edges to a remainder loop whose every
 # edge waited for its index load and then its row load: the remainder was most of an
 # arxiv-size row's work (7 edges on average).  A group keeps the loads of its edges in
@@ -49,6 +50,20 @@ def _finish(reduce: str, acc, deg):
     if reduce == "max":
         return tirx.Select(deg > tirx.const(0, "int64"), acc, tirx.const(0.0, "float32"))
     return acc
+
+
+def edge_groups(lo, hi, load, fold) -> None:
+    """The GPU forms' edge loop over edges lo..hi, ``EDGE_GROUP`` at a time: ``load(u, j)``
+    for every edge of a group first (storing what it reads into registers; j is clamped
+    to the last edge, so loads past the end reread it and no branch guards them), then
+    ``fold(u, valid)`` for each in edge order (``valid``: the edge is one of lo..hi)."""
+    with T.serial(0, (hi - lo + EDGE_GROUP - 1) // EDGE_GROUP) as g:
+        IRBuilder.name("g", g)
+        edges = [lo + g * EDGE_GROUP + u for u in range(EDGE_GROUP)]
+        for u, j in enumerate(edges):
+            load(u, tirx.min(j, hi - 1))
+        for u, j in enumerate(edges):
+            fold(u, j < hi)
 
 
 @definer("csr_agg")
@@ -110,19 +125,11 @@ def csr_agg(reduce: str, H: int, C: int, weight: str, indirect: bool = False,
                         IRBuilder.name("j", j)
                         add(buf, idx, edge_value(j, vh, f))
                     return
-                # the GPU's form: EDGE_GROUP edges per step, their values loaded into
-                # registers before any is added and with no branch around the loads
-                # (past the segment's end they read its last edge again, whose value is
-                # then not added), so a thread has the group's loads in flight at once
                 vals = T.sblock_alloc_buffer((EDGE_GROUP,), f32, scope="local")
                 IRBuilder.name("vals", vals)
-                with T.serial(0, (hi - lo + EDGE_GROUP - 1) // EDGE_GROUP) as g:
-                    IRBuilder.name("g", g)
-                    edges = [lo + g * EDGE_GROUP + u for u in range(EDGE_GROUP)]
-                    for u, j in enumerate(edges):
-                        T.buffer_store(vals, edge_value(tirx.min(j, hi - 1), vh, f), [u])
-                    for u, j in enumerate(edges):
-                        add(buf, idx, tirx.Select(j < hi, vals[u], init))
+                edge_groups(lo, hi,
+                            lambda u, j: T.buffer_store(vals, edge_value(j, vh, f), [u]),
+                            lambda u, ok: add(buf, idx, tirx.Select(ok, vals[u], init)))
 
             if split:
                 part = T.sblock_alloc_buffer((t, F), f32)
@@ -309,15 +316,27 @@ def attention_agg(H: int, C: int, slope: float, p: float = 0.0, seed: int = 0,
                 """The two sweeps over edges lo..hi of destination i into the maximum
                 ``st(0)``, the sum ``st(1)`` and the weighted row ``acc(f)``; ``merge``:
                 (partials' range, their maximum, sum and row at q) merged in first."""
+                def raw(j):
+                    return s_src[indices[j], h] + s_dst[i, h]
+
                 def score(j):
-                    return leaky(s_src[indices[j], h] + s_dst[i, h], slope)
+                    return leaky(raw(j), slope)
                 st(0, neg_inf)
                 if merge is not None:
                     qlo, qhi, pmax, psum, prow = merge
                     with T.serial(qlo, qhi) as q:
                         st(0, tirx.max(st(0), pmax(q)))
-                with T.serial(lo, hi) as j:
-                    st(0, tirx.max(st(0), score(j)))
+                if split:  # the GPU's form: edges in groups (``edge_groups``); the
+                    # scores' leaky_relu is taken in the folds, on registers (a select
+                    # around loads would become a branch around them)
+                    sv = T.sblock_alloc_buffer((3, EDGE_GROUP), f32, scope="local")
+                    IRBuilder.name("sv", sv)  # per edge: raw score, row value, dropout factor
+                    edge_groups(lo, hi, lambda u, j: T.buffer_store(sv, raw(j), [0, u]),
+                                lambda u, ok: st(0, tirx.max(st(0), tirx.Select(
+                                    ok, leaky(sv[0, u], slope), neg_inf))))
+                else:
+                    with T.serial(lo, hi) as j:
+                        st(0, tirx.max(st(0), score(j)))
                 st(1, zero)
                 acc(f, zero)
                 if merge is not None:
@@ -325,6 +344,21 @@ def attention_agg(H: int, C: int, slope: float, p: float = 0.0, seed: int = 0,
                         scale = fast_exp(pmax(q) - st(0))
                         st(1, st(1) + psum(q) * scale)
                         acc(f, acc(f) + prow(q) * scale)
+                if split:
+                    def load(u, j):
+                        T.buffer_store(sv, raw(j), [0, u])
+                        T.buffer_store(sv, x[indices[j], f], [1, u])
+                        if p:
+                            T.buffer_store(sv, drop_factor(perm, j, h, H, step, p, seed),
+                                           [2, u])
+
+                    def fold(u, ok):
+                        e = tirx.Select(ok, fast_exp(leaky(sv[0, u], slope) - st(0)), zero)
+                        st(1, st(1) + e)
+                        w = times(e, sv[2, u] if p else None)
+                        acc(f, acc(f) + tirx.Select(ok, w * sv[1, u], zero))
+                    edge_groups(lo, hi, load, fold)
+                    return
                 with T.serial(lo, hi) as j:
                     e = fast_exp(score(j) - st(0))
                     st(1, st(1) + e)
