@@ -156,10 +156,7 @@ def csr_agg(reduce: str, H: int, C: int, weight: str, indirect: bool = False,
                 end = indptr[vi + 1]
                 if split:  # a hub row sums its tasks' partials and none of its edges
                     with T.serial(hub[vi], hub[vi + 1]) as q:
-                        acc = total[vi, f]
-                        val = part[q, f]
-                        T.buffer_store(total, tirx.max(acc, val) if reduce == "max"
-                                       else acc + val, [vi, f])
+                        add(total, [vi, f], part[q, f])
                     end = tirx.Select(hub[vi + 1] > hub[vi], indptr[vi], end)
                 reduce_edges(total, [vi, f], f, vh, indptr[vi], end)
                 res = _finish(reduce, total[vi, f], indptr[vi + 1] - indptr[vi])
@@ -358,12 +355,12 @@ def attention_agg(H: int, C: int, slope: float, p: float = 0.0, seed: int = 0,
                         w = times(e, sv[2, u] if p else None)
                         acc(f, acc(f) + tirx.Select(ok, w * sv[1, u], zero))
                     edge_groups(lo, hi, load, fold)
-                    return
-                with T.serial(lo, hi) as j:
-                    e = fast_exp(score(j) - st(0))
-                    st(1, st(1) + e)
-                    w = times(e, drop_factor(perm, j, h, H, step, p, seed))
-                    acc(f, acc(f) + w * x[indices[j], f])
+                else:
+                    with T.serial(lo, hi) as j:
+                        e = fast_exp(score(j) - st(0))
+                        st(1, st(1) + e)
+                        w = times(e, drop_factor(perm, j, h, H, step, p, seed))
+                        acc(f, acc(f) + w * x[indices[j], f])
 
             merge = None
             if split:
