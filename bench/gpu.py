@@ -346,7 +346,7 @@ def run(args, save) -> dict:
                 print(json.dumps({k: ({kk: vv for kk, vv in v.items() if kk != "kernels"}
                                       if k.startswith("gcomp") and isinstance(v, dict) else v)
                                   for k, v in case.items()}), flush=True)
-    if len(args.precisions) > 1:
+    if len(args.precisions) > 1 and not args.no_accuracy:
         result["accuracy"] = accuracy_cases(d, args.precisions)
         save(result)
     return result
@@ -456,6 +456,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--no-spmm", action="store_true")
+    p.add_argument("--no-accuracy", action="store_true",
+                   help="skip the Cora accuracy runs (a run of several processes makes them once)")
     p.add_argument("--precisions", default="fp32",
                    help="fp32 and/or bf16: gcomp's builds to prepare and time")
     p.add_argument("--out", default="bench/results/gpu")

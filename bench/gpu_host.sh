@@ -32,10 +32,10 @@ fi
 if [ -d "$arts/bench" ]; then
   # one process per model: a peer's CUDA error (seen in torch.compile'd kernels) ends its
   # process, and only that model's remaining peers are lost
-  once=""  # the SpMM cases run with the first model only
+  once=""  # the SpMM cases and the accuracy runs run with the first model only
   for m in ${MODELS:-gcn sage gin gat}; do
     python3 -m bench.gpu run "$arts/bench" --out "$out" --models "$m" $once "$@" 2>&1 | tee -a "$out/bench.log"
-    once="--no-spmm"
+    once="--no-spmm --no-accuracy"
   done
   python3 -m bench.gpu report "$(ls "$out"/gpu-2*.json | paste -sd,)" --out "$out" > /dev/null
 fi
