@@ -32,9 +32,11 @@ def test_tasks_cover_exactly_the_long_rows():
     assert t.tolist() == [[0, 0, 0]] and r.tolist() == [0, 0, 0]
 
 
-def _run_split_agg(reduce, weight, indirect, size=8, seed=0):
+def _run_split_agg(reduce, weight, indirect, size=8, seed=0, F=6, emulated=False):
+    """The split kernel's output and its float64 reference; ``emulated``: the kernel as
+    ``-t cuda`` schedules it, run by the CUDA emulator (else its definition on the CPU)."""
     rng = np.random.default_rng(seed)
-    n, F = 120, 6
+    n = 120
     ei = power_law_edges(n, 1500, rng)
     g = GraphStructure.from_edge_index(ei, n)
     x = rng.standard_normal((n, F)).astype(np.float32)
@@ -47,15 +49,21 @@ def _run_split_agg(reduce, weight, indirect, size=8, seed=0):
     assert len(tasks) > 1
     spec = KernelSpec.make("csr_agg", reduce=reduce, H=1, C=F, weight=weight,
                            indirect=indirect, split=True)
-    fn = tvm.compile(tvm.IRModule({spec.name: define(spec)}), target="llvm")[spec.name]
     args = [indptr, indices]
     if indirect and weight != "none":
         args.append(g.csc_eid)
     if weight != "none":
         args.append(w)
     args += [x, tasks, rows]
-    out = tvm.runtime.tensor(np.zeros((n, F), np.float32))
-    fn(*[tvm.runtime.tensor(np.ascontiguousarray(a)) for a in args], out)
+    if emulated:
+        from gcomp.debug.cuda_emulator import EmulatedLibrary
+        out = np.full((n, F), np.nan, np.float32)
+        EmulatedLibrary({"k": spec})["k"](*[np.ascontiguousarray(a) for a in args], out)
+    else:
+        fn = tvm.compile(tvm.IRModule({spec.name: define(spec)}), target="llvm")[spec.name]
+        out = tvm.runtime.tensor(np.zeros((n, F), np.float32))
+        fn(*[tvm.runtime.tensor(np.ascontiguousarray(a)) for a in args], out)
+        out = out.numpy()
     # reference: float64, from the edge list
     src, dst = (g.rows, g.indices) if indirect else (g.indices, g.rows)
     vals = w[:, 0].astype(np.float64) if weight != "none" else np.ones(g.num_edges)
@@ -73,16 +81,29 @@ def _run_split_agg(reduce, weight, indirect, size=8, seed=0):
         ref = a @ x.astype(np.float64)
         if reduce == "mean":
             ref /= np.maximum(np.bincount(dst, minlength=n), 1)[:, None]
-    return out.numpy(), ref
+    return out, ref
 
 
-@pytest.mark.parametrize("reduce,weight,indirect", [("sum", "none", False),
-                                                     ("sum", "edge", False),
-                                                     ("mean", "none", False),
-                                                     ("max", "none", False),
-                                                     ("sum", "edge", True)])
+SPLIT_CASES = [("sum", "none", False), ("sum", "edge", False), ("mean", "none", False),
+               ("max", "none", False), ("sum", "edge", True)]
+
+
+@pytest.mark.parametrize("reduce,weight,indirect", SPLIT_CASES)
 def test_split_kernel_matches_scipy(reduce, weight, indirect):
     out, ref = _run_split_agg(reduce, weight, indirect)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("F", [6, 128])
+@pytest.mark.parametrize("reduce,weight,indirect", SPLIT_CASES)
+def test_scheduled_split_kernel_matches_scipy(reduce, weight, indirect, F):
+    """The split kernel as ``-t cuda`` schedules it, in the CUDA emulator: a lane per
+    feature at 6 features, a float4 of features per lane at 128 (``agg_vector``)."""
+    from gcomp.schedules.cuda import agg_vector
+    spec = KernelSpec.make("csr_agg", reduce=reduce, H=1, C=F, weight=weight,
+                           indirect=indirect, split=True)
+    assert agg_vector(spec) == (4 if F == 128 else 1)
+    out, ref = _run_split_agg(reduce, weight, indirect, F=F, emulated=True)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 

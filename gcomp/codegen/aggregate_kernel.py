@@ -30,7 +30,7 @@ from tvm.script.ir_builder import tirx as T
 
 from gcomp.codegen import epilogue as epi
 from gcomp.codegen.fastmath import fast_exp
-from gcomp.codegen.kernels import arg, definer
+from gcomp.codegen.kernels import arg, bound, definer, stored_bf16
 from gcomp.codegen.rng_expr import keep
 
 NEG_INF = -3.4028234663852886e38
@@ -125,11 +125,19 @@ def csr_agg(reduce: str, H: int, C: int, weight: str, indirect: bool = False,
                         IRBuilder.name("j", j)
                         add(buf, idx, edge_value(j, vh, f))
                     return
-                vals = T.sblock_alloc_buffer((EDGE_GROUP,), f32, scope="local")
-                IRBuilder.name("vals", vals)
-                edge_groups(lo, hi,
-                            lambda u, j: T.buffer_store(vals, edge_value(j, vh, f), [u]),
-                            lambda u, ok: add(buf, idx, tirx.Select(ok, vals[u], init)))
+                # the group's values bound to variables, not stored in a local array: a
+                # schedule that vectorizes the features widens a variable to a vector, a
+                # local array it does not (its lanes all stored into one element)
+                vals = {}
+
+                def load(u, j):
+                    vals[u] = bound(edge_value(j, vh, f))
+
+                def fold(u, ok):  # a branch around registers only, no load in it
+                    with T.If(ok):
+                        with T.Then():
+                            add(buf, idx, vals[u])
+                edge_groups(lo, hi, load, fold)
 
             if split:
                 part = T.sblock_alloc_buffer((t, F), f32)
@@ -140,18 +148,19 @@ def csr_agg(reduce: str, H: int, C: int, weight: str, indirect: bool = False,
                     T.buffer_store(part, init, [vk, f])
                     reduce_edges(part, [vk, f], f, vh, tasks[vk, 0], tasks[vk, 1])
             total = out
-            if split:
+            if split and stored_bf16("out"):
                 total = T.sblock_alloc_buffer((n, F), f32)
                 IRBuilder.name("total", total)
             with lanes_block("row", n, H, C) as (vi, vh, _, f):
                 reads = [indptr[vi:vi + 2], *edge_reads(f)]
-                # the CPU's form sums into the output element (its vectorized rows);
-                # the GPU's into a float32 scratch its schedule keeps in a register,
-                # so an output stored as bfloat16 is rounded once
+                # the row sums into its output element, which the schedules keep in
+                # registers (the CPU's vectorized rows, the GPU's cache_write); the GPU's
+                # output stored as bfloat16 sums into a float32 scratch its schedule keeps
+                # in a register instead, so that it is rounded once
                 if split:
                     reads += [hub[vi:vi + 2], part[0:t, f]]
                 T.reads(*reads)
-                T.writes(out[vi, f], *([total[vi, f]] if split else []))
+                T.writes(out[vi, f], *([total[vi, f]] if total is not out else []))
                 T.buffer_store(total, init, [vi, f])
                 end = indptr[vi + 1]
                 if split:  # a hub row sums its tasks' partials and none of its edges
@@ -159,9 +168,22 @@ def csr_agg(reduce: str, H: int, C: int, weight: str, indirect: bool = False,
                         add(total, [vi, f], part[q, f])
                     end = tirx.Select(hub[vi + 1] > hub[vi], indptr[vi], end)
                 reduce_edges(total, [vi, f], f, vh, indptr[vi], end)
-                res = _finish(reduce, total[vi, f], indptr[vi + 1] - indptr[vi])
-                res = epi.apply(epilogue, res, lambda k: extra[k][epi.index(extras[k], vi, f)])
-                T.buffer_store(out, res, [vi, f])
+                deg = indptr[vi + 1] - indptr[vi]
+
+                def store(res):
+                    res = epi.apply(epilogue, res,
+                                    lambda k: extra[k][epi.index(extras[k], vi, f)])
+                    T.buffer_store(out, res, [vi, f])
+                if reduce == "max":  # an empty row's max is 0: a branch, not _finish's
+                    # select, whose condition a vectorizing schedule broadcasts (TVM 0.27
+                    # declares a broadcast condition of CUDA's vectors with the wrong type)
+                    with T.If(deg > tirx.const(0, "int64")):
+                        with T.Then():
+                            store(total[vi, f])
+                        with T.Else():
+                            store(tirx.const(0.0, f32))
+                else:
+                    store(_finish(reduce, total[vi, f], deg))
     return ib.get()
 
 

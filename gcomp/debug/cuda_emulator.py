@@ -98,6 +98,10 @@ static inline nv_bfloat16 __float2bfloat16_rn(float f) { return nv_bfloat16(f); 
 static inline nv_bfloat16 __float2bfloat16(float f) { return nv_bfloat16(f); }
 static inline float __bfloat162float(nv_bfloat16 b) { return (float)b; }
 
+/* CUDA's vector type of the aggregations' float4 loads (``schedules/cuda.agg_vector``) */
+struct alignas(16) float4 { float x, y, z, w; };
+static inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+
 static inline void __syncthreads() { emu_block_barrier->arrive_and_wait(); }
 
 static inline unsigned int __activemask() {

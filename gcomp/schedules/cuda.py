@@ -14,7 +14,9 @@ Thread layouts used here:
   up to ``THREADS``, ``lanes_for``) cover the feature axis, so neighbouring threads
   read neighbouring floats of one gathered row, and a block holds
   ``THREADS // lanes`` rows.  Each thread accumulates its output element in a
-  register (``cache_write`` to ``local``) and stores it once.
+  register (``cache_write`` to ``local``) and stores it once.  Wide float32
+  aggregations give a lane 4 neighbouring features instead (``agg_vector``: a float4
+  load per gathered row).
 * **flat** (``_bind_flat``): elementwise work, all loops fused and split over
   blocks of ``THREADS`` threads.
 * **cross-thread reduction** (``_reduce_to_scalar``): reductions over the
@@ -94,10 +96,13 @@ def _write_index(sch, block, name: str) -> int:
     raise KeyError(f"block {sch.get(block).name_hint} writes no buffer {name!r}")
 
 
-def _in_register(sch, block, buffer: str, at) -> None:
-    """Accumulate ``buffer`` of ``block`` in a register, stored once at loop ``at``."""
+def _in_register(sch, block, buffer: str, at, vector: int = 1) -> None:
+    """Accumulate ``buffer`` of ``block`` in a register, stored once at loop ``at`` (with
+    ``vector`` > 1, a lane's ``vector`` elements as one vector store)."""
     cw = sch.cache_write(block, _write_index(sch, block, buffer), "local")
     sch.reverse_compute_at(cw, at)
+    if vector > 1:
+        sch.vectorize(sch.get_loops(cw)[-1])
 
 
 def _bind_loops(sch, loops, threads: int = THREADS):
@@ -119,13 +124,17 @@ def _bind_flat(sch, block, threads: int = THREADS):
     return _bind_loops(sch, loops if loops else [sch.add_unit_loop(block)], threads)
 
 
-def _bind_rows(sch, block, n_row_loops: int = 1):
-    """Rows x lanes: the first ``n_row_loops`` loops are rows, the rest (static) features.
+def _bind_rows(sch, block, n_row_loops: int = 1, vector: int = 1):
+    """Rows x lanes: the first ``n_row_loops`` loops are rows, the rest (static) features;
+    with ``vector`` > 1 (dividing the features), each lane takes that many neighbouring
+    features as one vector (a float4 load of a gathered row).
 
     Returns (row thread loop, feature thread loop or None)."""
     loops = sch.get_loops(block)
     row = _fuse(sch, loops[:n_row_loops])
     feat = _fuse(sch, loops[n_row_loops:])
+    if vector > 1:
+        feat, fv = sch.split(feat, [None, vector])
     lanes = lanes_for(_static_extent(sch, feat)) if feat is not None else 1
     rows_per_block = max(1, THREADS // lanes)
     n_rows = _static_extent(sch, row)
@@ -139,6 +148,8 @@ def _bind_rows(sch, block, n_row_loops: int = 1):
     sch.bind(ri, "threadIdx.y")
     _, fi = sch.split(feat, [None, lanes])
     sch.bind(fi, "threadIdx.x")
+    if vector > 1:
+        sch.vectorize(fv)
     return ri, fi
 
 
@@ -177,19 +188,37 @@ def _rows_accumulate(sch, block: str, out: str = "out") -> None:
     _in_register(sch, blk, out, fi if fi is not None else ri)
 
 
+AGG_VECTOR = 4  # features per lane of wide float32 aggregations: one float4 load per edge
+
+
+def agg_vector(spec) -> int:
+    """Features per lane of the aggregation ``spec``: ``AGG_VECTOR`` for the split form
+    over float32 rows of at least 128 features (a warp per row, each lane loading a
+    float4 of the gathered row, once per edge its index and weight), else 1 (a lane per
+    feature).  bfloat16 storage keeps a lane per feature: TVM 0.27 miscompiles a variable
+    bound to a widened bfloat16 load."""
+    p = spec.p
+    F = p["H"] * p["C"]
+    vector = AGG_VECTOR if (p.get("split") and not p.get("bf16") and F >= 32 * AGG_VECTOR
+                            and F % AGG_VECTOR == 0) else 1
+    return vector if vector == 1 or lanes_for(F // vector) == F // vector else 1
+
+
 def _agg_rows(sch, spec) -> None:
     """Baseline aggregation: a warp (or fewer lanes) over a row's features, several rows
-    per block; the row's sum lives in a register."""
+    per block; the row's sum lives in registers."""
+    vector = agg_vector(spec)
     if spec.p.get("split"):  # the hub rows' tasks: the same layout over tasks
         task = sch.get_sblock("task")
-        _, fi = _bind_rows(sch, task)
-        _in_register(sch, task, "part", fi)
+        _, fi = _bind_rows(sch, task, vector=vector)
+        _in_register(sch, task, "part", fi, vector)
     blk = sch.get_sblock("row")
-    _, fi = _bind_rows(sch, blk)
-    if spec.p.get("split"):  # the row's float32 sum (``total``) in a register
+    _, fi = _bind_rows(sch, blk, vector=vector)
+    if any(r.source.name == "total" for r in sch.get(blk).writes):
+        # a bfloat16 output's float32 sum (``total``) in a register
         sch.set_scope(blk, _write_index(sch, blk, "total"), "local")
     else:
-        _in_register(sch, blk, "out", fi)
+        _in_register(sch, blk, "out", fi, vector)
 
 
 AGG_STRATEGIES = {"rows": _agg_rows}
