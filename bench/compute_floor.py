@@ -14,6 +14,11 @@ kernels, the loss) is memory bound.  For each model:
 4. Given a peer's epoch time (``--peers-from``: a ``python -m bench --mode training``
    JSON; its best PyG configuration), the step time a speed-up target asks for
    (``--target``, default 10), next to the GEMM floor alone.
+5. A roofline of the whole step: every kernel's floor is the larger of its products'
+   work at the GEMM rate and the bytes of its arguments (each read or written once:
+   the compulsory traffic, gathered rows counted once) at this machine's copy bandwidth
+   (``bench.memory_floor``, 512 MB arrays).  Their sum bounds any step made of the same
+   kernels; only fusing kernels (fewer bytes between them) goes below it.
 
 ``python -m bench.compute_floor [--models gcn,sage,gin,gat] [--threads 2] [--reps 7]
 [--peers-from bench/results/intel-avx512/training-<stamp>.json] [--out bench/results]``
@@ -63,6 +68,31 @@ def product_flops(plan, step: dict, n: int) -> int:
     return 2 * n * int(K[1]) * int(M[1])
 
 
+def arg_bytes(args) -> int:
+    """Bytes of a kernel call's tensor arguments: what it moves at least, each input read
+    once and each output written once (a tensor passed twice counts twice)."""
+    total = 0
+    for a in args:
+        if not hasattr(a, "shape"):
+            continue
+        dtype = str(a.dtype)
+        size = 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
+        total += int(np.prod([int(d) for d in a.shape])) * size
+    return total
+
+
+def roofline(row: dict, gflop_s: float, gb_s: float) -> dict:
+    """Per-kernel floors (ms) of a profiled step: max(work / GEMM rate, bytes / bandwidth)."""
+    floors = [max(f / gflop_s / 1e6, b / gb_s / 1e6)
+              for f, b in zip(row["kernel_flops"], row["kernel_bytes"])]
+    over = sorted(zip(row["kernel_names"], row["kernel_ms"], floors),
+                  key=lambda k: k[2] - k[1])
+    return {"roofline_ms": sum(floors),
+            "memory_floor_ms": sum(row["kernel_bytes"]) / gb_s / 1e6,
+            "kernel_floor_ms": floors,
+            "furthest": [{"kernel": k, "ms": m, "floor_ms": fl} for k, m, fl in over[:5]]}
+
+
 def profile(model: str, graph: str, reps: int) -> dict:
     """Per-kernel medians of one training step (Adam, lr 0.01) of the bundled model."""
     from bench import workload as W
@@ -87,6 +117,9 @@ def profile(model: str, graph: str, reps: int) -> dict:
     flops = [product_flops(art.train_plan, s, n) for s in b.plan_steps]
     return {"model": model, "step_ms": statistics.median(steps) * 1e3,
             "kernels_ms": float(med.sum()),
+            "kernel_names": [s["kernel"] for s in b.plan_steps],
+            "kernel_ms": [float(m) for m in med], "kernel_flops": flops,
+            "kernel_bytes": [arg_bytes(args) for _, args in b.steps],
             "gemm_gflop": sum(flops) / 1e9,
             "gemm_ms": float(sum(m for m, f in zip(med, flops) if f)),
             "other_ms": float(sum(m for m, f in zip(med, flops) if not f)),
@@ -123,21 +156,27 @@ def main(argv=None) -> dict:
     rate = gemm_rate(args.threads, args.reps)
     print(f"GEMM rate (torch.mm {GEMM_SIDE}^3, {args.threads} threads): {rate:.0f} GFLOP/s",
           flush=True)
+    from bench.memory_floor import copy_bandwidth
+    bw = copy_bandwidth(512, args.threads, args.reps)
+    print(f"copy bandwidth (512 MB, {args.threads} threads): {bw:.1f} GB/s", flush=True)
     res = {"date_utc": stamp.isoformat(timespec="seconds"),
            "command": "python -m bench.compute_floor " + " ".join(
                sys.argv[1:] if argv is None else argv),
            "machine": machine(), "versions": versions(), "threads": args.threads,
-           "reps": args.reps, "graph": args.graph, "gemm_gflop_s": rate, "target": args.target,
+           "reps": args.reps, "graph": args.graph, "gemm_gflop_s": rate,
+           "copy_gb_s": bw, "target": args.target,
            "peers_from": str(args.peers_from) if args.peers_from else None, "models": []}
     for model in args.models.split(","):
         row = profile(model, args.graph, args.reps)
         row["gemm_floor_ms"] = row["gemm_gflop"] / rate * 1e3
+        row.update(roofline(row, rate, bw))
         peer = best_peer(args.peers_from, args.graph, model)
         if peer:
             row["peer"], row["peer_ms"] = peer
             row["target_ms"] = peer[1] / args.target
         res["models"].append(row)
-        print(json.dumps(row), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if not k.startswith("kernel_")}),
+              flush=True)
     report.save(args.out, "compute-floor", stamp, res, markdown(res))
     return res
 
@@ -162,6 +201,21 @@ def markdown(res: dict) -> str:
     if res["peers_from"]:
         out += ["", f"PyG times from `{res['peers_from']}` (same machine, `python -m bench "
                 "--mode training`)."]
+    rows = [r for r in res["models"] if "roofline_ms" in r]
+    if rows:
+        out += ["", f"Roofline of the step: each kernel's floor is max(products' work at "
+                f"{res['gemm_gflop_s']:.0f} GFLOP/s, its arguments' bytes at "
+                f"{res['copy_gb_s']:.1f} GB/s copy bandwidth), summed.", "",
+                f"| model | kernels | roofline ms | of which bytes alone ms | gcomp kernels ms | "
+                f"gcomp / roofline | {t:g}x PyG's best needs ms | furthest from their floor "
+                "(ms / floor ms) |", "|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            far = ", ".join(f"{k['kernel'].removeprefix('gc_').rsplit('_', 1)[0]} "
+                            f"{k['ms']:.1f} / {k['floor_ms']:.1f}" for k in r["furthest"][:3])
+            need = f"{r['target_ms']:.1f}" if "target_ms" in r else "-"
+            out.append(f"| {r['model']} | {len(r['kernel_ms'])} | {r['roofline_ms']:.1f} | "
+                       f"{r['memory_floor_ms']:.1f} | {r['kernels_ms']:.1f} | "
+                       f"{r['kernels_ms'] / r['roofline_ms']:.2f}x | {need} | {far} |")
     return "\n".join(out) + "\n"
 
 
