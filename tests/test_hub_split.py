@@ -84,8 +84,9 @@ def _run_split_agg(reduce, weight, indirect, size=8, seed=0, F=6, emulated=False
     return out, ref
 
 
+# over out-edges (True) the graph has a node without out-edges: an empty row
 SPLIT_CASES = [("sum", "none", False), ("sum", "edge", False), ("mean", "none", False),
-               ("max", "none", False), ("sum", "edge", True)]
+               ("max", "none", False), ("max", "none", True), ("sum", "edge", True)]
 
 
 @pytest.mark.parametrize("reduce,weight,indirect", SPLIT_CASES)
@@ -133,3 +134,72 @@ def test_cuda_thread_splits_divide(width):
     lanes = lanes_for(width)
     assert width % lanes == 0 and 1 <= lanes <= THREADS
     assert lanes == width or width > THREADS
+
+
+@pytest.mark.parametrize("C", [64, 66])
+def test_scheduled_split_kernel_with_heads(C):
+    """Per-head edge weights over two heads: float4 lanes at 64 channels a head; at 66 a
+    vector would straddle the heads, so a lane per feature."""
+    from gcomp.debug.cuda_emulator import EmulatedLibrary
+    from gcomp.schedules.cuda import agg_vector
+    rng = np.random.default_rng(3)
+    n, H = 120, 2
+    g = GraphStructure.from_edge_index(power_law_edges(n, 1500, rng), n)
+    x = rng.standard_normal((n, H * C)).astype(np.float32)
+    w = rng.uniform(0.5, 2.0, (g.num_edges, H)).astype(np.float32)
+    tasks, rows = hub_split(g.indptr, size=8)
+    spec = KernelSpec.make("csr_agg", reduce="sum", H=H, C=C, weight="head", split=True)
+    assert agg_vector(spec) == (4 if C == 64 else 1) and len(tasks) > 1
+    out = np.full((n, H * C), np.nan, np.float32)
+    EmulatedLibrary({"k": spec})["k"](g.indptr, g.indices, w, x, tasks, rows, out)
+    dst = np.repeat(np.arange(n), np.diff(g.indptr))
+    ref = np.zeros((n, H, C))
+    np.add.at(ref, dst, w.astype(np.float64)[:, :, None]
+              * x[g.indices].astype(np.float64).reshape(-1, H, C))
+    np.testing.assert_allclose(out, ref.reshape(n, H * C), rtol=1e-5, atol=1e-5)
+
+
+EPILOGUES = [  # (epilogue chain, its extra inputs' kinds): activations whose selects and
+    # fast exponentials the float4 lanes vectorize, and every kind of extra input
+    ((("add", (), 0, False), ("leaky_relu", (("alpha", 0.2),), None, False)), ("vec",)),
+    ((("add", (), ("mul", (), (0, 1)), False), ("elu", (("alpha", 1.0),), None, False)),
+     ("scalar", "row")),
+    ((("div", (), 0, False), ("sigmoid", (), None, False)), ("col",)),
+]
+
+
+@pytest.mark.parametrize("reduce", ["sum", "max"])
+@pytest.mark.parametrize("epilogue,extras", EPILOGUES)
+def test_scheduled_split_kernel_epilogues(reduce, epilogue, extras):
+    """Float4 lanes with fused epilogues, over out-edges (a row without edges): the
+    emulated CUDA kernel against its definition compiled for the CPU; and nvcc accepts
+    the CUDA source (an empty row's constant 0 once reached it as a literal's address)."""
+    from gcomp.codegen import cuda_build
+    from gcomp.debug.cuda_emulator import EmulatedLibrary
+    rng = np.random.default_rng(4)
+    n, F = 120, 128
+    g = GraphStructure.from_edge_index(power_law_edges(n, 1500, rng), n)
+    tasks, rows = hub_split(g.csc_indptr, size=8)
+    values = {"vec": rng.standard_normal(F), "row": rng.standard_normal((n, F)),
+              "col": rng.uniform(0.5, 2.0, (n, 1)), "scalar": np.array(1.3)}
+    args = [g.csc_indptr, g.csc_indices, g.csc_eid,
+            rng.uniform(0.5, 2.0, (g.num_edges, 1)), rng.standard_normal((n, F))]
+    args = [a.astype(np.float32) if a.dtype == np.float64 else a
+            for a in args + [values[k] for k in extras] + [tasks, rows]]
+    spec = KernelSpec.make("csr_agg", reduce=reduce, H=1, C=F, weight="edge", indirect=True,
+                           epilogue=epilogue, extras=extras, split=True)
+    out = np.full((n, F), np.nan, np.float32)
+    EmulatedLibrary({"k": spec})["k"](*args, out)
+    fn = tvm.compile(tvm.IRModule({spec.name: define(spec)}), target="llvm")[spec.name]
+    ref = tvm.runtime.tensor(np.zeros((n, F), np.float32))
+    fn(*[tvm.runtime.tensor(a) for a in args], ref)
+    np.testing.assert_allclose(out, ref.numpy(), rtol=1e-5, atol=1e-6)
+    try:
+        cuda_build.find_nvcc()
+    except Exception:  # noqa: BLE001 - no CUDA toolkit: the emulator's check stands alone
+        return
+    mod = cuda_build.schedule_module({"k": spec}, {"kind": "cuda", "arch": "sm_90"})
+    lib = tvm.compile(mod, target=cuda_build.tvm_target({"kind": "cuda", "arch": "sm_90"}))
+    src = lib.mod.imports[0].inspect_source()
+    assert "*(float4*)(x_ptr" in src
+    cuda_build.compile_device_code(src, "sm_90")

@@ -169,21 +169,16 @@ def csr_agg(reduce: str, H: int, C: int, weight: str, indirect: bool = False,
                     end = tirx.Select(hub[vi + 1] > hub[vi], indptr[vi], end)
                 reduce_edges(total, [vi, f], f, vh, indptr[vi], end)
                 deg = indptr[vi + 1] - indptr[vi]
-
-                def store(res):
-                    res = epi.apply(epilogue, res,
-                                    lambda k: extra[k][epi.index(extras[k], vi, f)])
-                    T.buffer_store(out, res, [vi, f])
-                if reduce == "max":  # an empty row's max is 0: a branch, not _finish's
-                    # select, whose condition a vectorizing schedule broadcasts (TVM 0.27
-                    # declares a broadcast condition of CUDA's vectors with the wrong type)
-                    with T.If(deg > tirx.const(0, "int64")):
-                        with T.Then():
-                            store(total[vi, f])
-                        with T.Else():
-                            store(tirx.const(0.0, f32))
+                if reduce == "max":  # an empty row's max is 0 (-0.0): its initial value
+                    # times 0, not _finish's select, whose condition a vectorizing schedule
+                    # broadcasts (TVM 0.27 declares a broadcast condition of CUDA's vectors
+                    # with the wrong type); nor a branch storing a constant 0, which TVM
+                    # folds into the epilogue as CUDA that takes a literal's address
+                    res = total[vi, f] * tirx.Cast(f32, tirx.min(deg, tirx.const(1, "int64")))
                 else:
-                    store(_finish(reduce, total[vi, f], deg))
+                    res = _finish(reduce, total[vi, f], deg)
+                res = epi.apply(epilogue, res, lambda k: extra[k][epi.index(extras[k], vi, f)])
+                T.buffer_store(out, res, [vi, f])
     return ib.get()
 
 

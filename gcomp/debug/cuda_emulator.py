@@ -98,9 +98,16 @@ static inline nv_bfloat16 __float2bfloat16_rn(float f) { return nv_bfloat16(f); 
 static inline nv_bfloat16 __float2bfloat16(float f) { return nv_bfloat16(f); }
 static inline float __bfloat162float(nv_bfloat16 b) { return (float)b; }
 
-/* CUDA's vector type of the aggregations' float4 loads (``schedules/cuda.agg_vector``) */
+/* CUDA's vector types in the aggregations with float4 lanes (``schedules/cuda.agg_vector``):
+   the values, a fast exponential's exponent bits (int4) and the comparisons of an
+   activation's select (TVM writes them as ushort4) */
 struct alignas(16) float4 { float x, y, z, w; };
 static inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+struct alignas(16) int4 { int x, y, z, w; };
+static inline int4 make_int4(int x, int y, int z, int w) { return {x, y, z, w}; }
+struct alignas(8) ushort4 { unsigned short x, y, z, w; };
+static inline ushort4 make_ushort4(unsigned short x, unsigned short y, unsigned short z,
+                                   unsigned short w) { return {x, y, z, w}; }
 
 static inline void __syncthreads() { emu_block_barrier->arrive_and_wait(); }
 

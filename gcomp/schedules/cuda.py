@@ -195,12 +195,13 @@ def agg_vector(spec) -> int:
     """Features per lane of the aggregation ``spec``: ``AGG_VECTOR`` for the split form
     over float32 rows of at least 128 features (a warp per row, each lane loading a
     float4 of the gathered row, once per edge its index and weight), else 1 (a lane per
-    feature).  bfloat16 storage keeps a lane per feature: TVM 0.27 miscompiles a variable
-    bound to a widened bfloat16 load."""
+    feature).  A vector stays within a head (TVM 0.27 cannot vectorize a loop whose
+    vectors straddle two heads' channels), and bfloat16 storage keeps a lane per feature
+    (TVM 0.27 miscompiles a variable bound to a widened bfloat16 load)."""
     p = spec.p
     F = p["H"] * p["C"]
     vector = AGG_VECTOR if (p.get("split") and not p.get("bf16") and F >= 32 * AGG_VECTOR
-                            and F % AGG_VECTOR == 0) else 1
+                            and p["C"] % AGG_VECTOR == 0) else 1
     return vector if vector == 1 or lanes_for(F // vector) == F // vector else 1
 
 
