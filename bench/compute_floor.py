@@ -71,14 +71,9 @@ def product_flops(plan, step: dict, n: int) -> int:
 def arg_bytes(args) -> int:
     """Bytes of a kernel call's tensor arguments: what it moves at least, each input read
     once and each output written once (a tensor passed twice counts twice)."""
-    total = 0
-    for a in args:
-        if not hasattr(a, "shape"):
-            continue
-        dtype = str(a.dtype)
-        size = 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
-        total += int(np.prod([int(d) for d in a.shape])) * size
-    return total
+    from gcomp.runtime.memory import ITEMSIZE
+    return sum(int(np.prod([int(d) for d in a.shape])) * ITEMSIZE[str(a.dtype)]
+               for a in args if hasattr(a, "shape"))
 
 
 def roofline(row: dict, gflop_s: float, gb_s: float) -> dict:

@@ -199,10 +199,9 @@ def agg_vector(spec) -> int:
     vectors straddle two heads' channels), and bfloat16 storage keeps a lane per feature
     (TVM 0.27 miscompiles a variable bound to a widened bfloat16 load)."""
     p = spec.p
-    F = p["H"] * p["C"]
-    vector = AGG_VECTOR if (p.get("split") and not p.get("bf16") and F >= 32 * AGG_VECTOR
-                            and p["C"] % AGG_VECTOR == 0) else 1
-    return vector if vector == 1 or lanes_for(F // vector) == F // vector else 1
+    lanes = p["H"] * p["C"] // AGG_VECTOR
+    wide = p.get("split") and not p.get("bf16") and p["C"] % AGG_VECTOR == 0 and lanes >= 32
+    return AGG_VECTOR if wide and lanes_for(lanes) == lanes else 1
 
 
 def _agg_rows(sch, spec) -> None:
