@@ -422,9 +422,10 @@ def markdown(res: dict) -> str:
                 sp16 = c.get("speedup_vs_best_pyg_bf16")
                 loss = (f"{g['final_loss']:.4f} / {h['final_loss']:.4f}"
                         if "final_loss" in h else "-")
+                # a training case has no forward output to compare: its losses do
+                diff = f"{h['rel_err_vs_fp32']:.1e}" if "rel_err_vs_fp32" in h else "-"
                 row += (f" {h['median_ms']:.2f} / {h['device_bytes'] / 2**20:.0f} | "
-                        f"{f'{sp16:.2f}x' if sp16 else '-'} | "
-                        f"{h.get('rel_err_vs_fp32', float('nan')):.1e} | {loss} |")
+                        f"{f'{sp16:.2f}x' if sp16 else '-'} | {diff} | {loss} |")
             else:
                 row += f" {h['error'][:40]} | - | - | - |"
         lines.append(row)

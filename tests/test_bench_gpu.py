@@ -50,3 +50,19 @@ def test_report_of_a_run_with_bf16_builds():
     assert "| gcomp bf16 ms / MiB | bf16 vs best PyG |" in md
     assert "| 1.00 / 200 | 6.00x | 4.0e-03 | 3.6100 / 3.6200 |" in md
     assert "| bf16 | 0.805 |" in md
+
+
+def test_report_of_a_training_case_without_a_forward_difference():
+    # a training run compares the losses; the forward difference cell is "-", not nan
+    case = {"graph": "arxiv-synth", "model": "gin", "mode": "training",
+            "gcomp": {"median_ms": 1.9, "device_bytes": 318 * 2**20, "final_loss": 3.8204},
+            "gcomp-bf16": {"median_ms": 1.7, "device_bytes": 240 * 2**20,
+                           "final_loss": 3.8057},
+            "pyg-csr": {"median_ms": 5.4, "peak_extra_bytes": 330 * 2**20},
+            "speedup_vs_best_pyg": 2.84, "speedup_vs_best_pyg_bf16": 3.18}
+    res = {"device": "a GPU", "command": "bench.gpu run", "when": "now", "versions": {},
+           "layers": 3, "hidden": 32, "heads": 4, "reps": 10, "warmup": 3, "spmm": [],
+           "cases": [case]}
+    md = gpu.markdown(res)
+    assert "| 1.70 / 240 | 3.18x | - | 3.8204 / 3.8057 |" in md
+    assert "nan" not in md
