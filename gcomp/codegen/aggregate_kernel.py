@@ -34,8 +34,8 @@ from gcomp.codegen.kernels import arg, bound, definer, stored_bf16
 from gcomp.codegen.rng_expr import keep
 
 NEG_INF = -3.4028234663852886e38
-# Edges per step of the GPU aggregations' loops (the split forms of csr_agg and
-# attention_agg: ``edge_groups``).  With one edge per step,
+# Edges per step of the GPU aggregation's loop (the split form of csr_agg:
+# ``edge_groups``).  With one edge per step,
 # nvcc unrolled the loop by 4 and left up to 3 edges to a remainder loop whose every
 # edge waited for its index load and then its row load: the remainder was most of an
 # arxiv-size row's work (7 edges on average).  A group keeps the loads of its edges in
@@ -330,27 +330,18 @@ def attention_agg(H: int, C: int, slope: float, p: float = 0.0, seed: int = 0,
                 """The two sweeps over edges lo..hi of destination i into the maximum
                 ``st(0)``, the sum ``st(1)`` and the weighted row ``acc(f)``; ``merge``:
                 (partials' range, their maximum, sum and row at q) merged in first."""
-                def raw(j):
-                    return s_src[indices[j], h] + s_dst[i, h]
-
                 def score(j):
-                    return leaky(raw(j), slope)
+                    return leaky(s_src[indices[j], h] + s_dst[i, h], slope)
                 st(0, neg_inf)
                 if merge is not None:
                     qlo, qhi, pmax, psum, prow = merge
                     with T.serial(qlo, qhi) as q:
                         st(0, tirx.max(st(0), pmax(q)))
-                if split:  # the GPU's form: edges in groups (``edge_groups``); the
-                    # scores' leaky_relu is taken in the folds, on registers (a select
-                    # around loads would become a branch around them)
-                    sv = T.sblock_alloc_buffer((3, EDGE_GROUP), f32, scope="local")
-                    IRBuilder.name("sv", sv)  # per edge: raw score, row value, dropout factor
-                    edge_groups(lo, hi, lambda u, j: T.buffer_store(sv, raw(j), [0, u]),
-                                lambda u, ok: st(0, tirx.max(st(0), tirx.Select(
-                                    ok, leaky(sv[0, u], slope), neg_inf))))
-                else:
-                    with T.serial(lo, hi) as j:
-                        st(0, tirx.max(st(0), score(j)))
+                # one edge per step: the grouped loop of csr_agg's GPU form (edge_groups)
+                # made this kernel slower on an H200 (0.62 -> 0.99 ms a call, arxiv-size,
+                # bench/results/h200), where it left csr_agg's time unchanged
+                with T.serial(lo, hi) as j:
+                    st(0, tirx.max(st(0), score(j)))
                 st(1, zero)
                 acc(f, zero)
                 if merge is not None:
@@ -358,26 +349,11 @@ def attention_agg(H: int, C: int, slope: float, p: float = 0.0, seed: int = 0,
                         scale = fast_exp(pmax(q) - st(0))
                         st(1, st(1) + psum(q) * scale)
                         acc(f, acc(f) + prow(q) * scale)
-                if split:
-                    def load(u, j):
-                        T.buffer_store(sv, raw(j), [0, u])
-                        T.buffer_store(sv, x[indices[j], f], [1, u])
-                        if p:
-                            T.buffer_store(sv, drop_factor(perm, j, h, H, step, p, seed),
-                                           [2, u])
-
-                    def fold(u, ok):
-                        e = tirx.Select(ok, fast_exp(leaky(sv[0, u], slope) - st(0)), zero)
-                        st(1, st(1) + e)
-                        w = times(e, sv[2, u] if p else None)
-                        acc(f, acc(f) + tirx.Select(ok, w * sv[1, u], zero))
-                    edge_groups(lo, hi, load, fold)
-                else:
-                    with T.serial(lo, hi) as j:
-                        e = fast_exp(score(j) - st(0))
-                        st(1, st(1) + e)
-                        w = times(e, drop_factor(perm, j, h, H, step, p, seed))
-                        acc(f, acc(f) + w * x[indices[j], f])
+                with T.serial(lo, hi) as j:
+                    e = fast_exp(score(j) - st(0))
+                    st(1, st(1) + e)
+                    w = times(e, drop_factor(perm, j, h, H, step, p, seed))
+                    acc(f, acc(f) + w * x[indices[j], f])
 
             merge = None
             if split:
