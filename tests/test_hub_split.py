@@ -8,7 +8,7 @@ import scipy.sparse as sp
 import tvm
 
 from gcomp.codegen.kernels import KernelSpec, define
-from gcomp.runtime.graph import GraphStructure, hub_split
+from gcomp.runtime.graph import HUB_EDGES, GraphStructure, hub_split, task_edges
 from gcomp.runtime.synthetic import power_law_edges
 
 
@@ -30,6 +30,32 @@ def test_tasks_cover_exactly_the_long_rows():
     # no long row: one empty task, so the task nest still launches a block
     t, r = hub_split(np.array([0, 1, 3], np.int64), size=16)
     assert t.tolist() == [[0, 0, 0]] and r.tolist() == [0, 0, 0]
+
+
+def _tasks(deg, size):
+    return int(np.sum(-(-deg[deg > size] // size)))
+
+
+@pytest.mark.parametrize("n,e", [(2000, 14_000), (500, 250_000), (300, 40_000), (300, 150_000)])
+def test_task_size_keeps_the_partials_within_the_output(n, e):
+    # the smallest doubling of HUB_EDGES whose tasks are at most half the rows, so the
+    # partial rows (t x F scratch) take at most half the output's memory: a sparse graph
+    # (arxiv-like, 7 edges a row) keeps HUB_EDGES, a dense one (Reddit-like, 500 a row)
+    # gets longer tasks
+    rng = np.random.default_rng(1)
+    g = GraphStructure.from_edge_index(power_law_edges(n, e, rng), n)
+    deg = np.diff(g.indptr)
+    size = task_edges(g.indptr)
+    assert size >= HUB_EDGES and (size & (size - 1)) == 0
+    assert 2 * _tasks(deg, size) <= n
+    assert size == HUB_EDGES or 2 * _tasks(deg, size // 2) > n
+    if e / n < 10:
+        assert size == HUB_EDGES
+    if e / n >= 400:
+        assert size > HUB_EDGES
+    tasks, rows = g.hub_tasks, g.hub_rows  # what a bound graph hands the kernels
+    assert 2 * len(tasks) <= n and (tasks[:, 1] - tasks[:, 0]).max() <= size
+    assert rows[-1] == _tasks(deg, size) or (rows[-1] == 0 and len(tasks) == 1)
 
 
 def _run_split_agg(reduce, weight, indirect, size=8, seed=0, F=6, emulated=False):

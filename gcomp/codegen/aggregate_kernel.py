@@ -70,7 +70,7 @@ def edge_groups(lo, hi, load, fold) -> None:
 def csr_agg(reduce: str, H: int, C: int, weight: str, indirect: bool = False,
             epilogue: tuple = (), extras: tuple = (), split: bool = False):
     """``split`` (the GPU's form, ``gcomp/codegen/hub_split.py``): two more arguments
-    before ``out``, ``tasks`` (int64, t x 3: edge ranges of at most ``graph.HUB_EDGES``
+    before ``out``, ``tasks`` (int64, t x 3: edge ranges of at most ``graph.task_edges``
     edges cut from the rows longer than that, and their row) and ``hub`` (int64, n+1: row i's tasks are
     hub[i] .. hub[i+1], none for the other rows).  A first nest reduces each task's
     edges into a partial row (``part``, t x F); the row nest then reduces a hub row's

@@ -33,7 +33,7 @@ Thread layouts used here:
 
 Aggregation strategies: ``AGG_STRATEGIES`` maps a name to a schedule;
 ``agg_strategy(spec)`` picks one (today always ``rows``).  Rows longer than
-``graph.HUB_EDGES`` are not walked by one thread: ``-t cuda`` plans call the split form
+``graph.task_edges`` (128 or more) are not walked by one thread: ``-t cuda`` plans call the split form
 of ``csr_agg`` (``gcomp/codegen/hub_split.py``), whose task nest gets the same rows x
 lanes layout.  An ELL kernel for low-degree rows would slot in here, as a plan variant
 chosen by the bound graph like the sparse-feature variant.
