@@ -134,9 +134,10 @@ def device_used() -> int:
 
 
 # ---------------------------------------------------------------------------- gcomp
-def gcomp_inference(art, w, reps, warmup) -> tuple[dict, np.ndarray]:
+def gcomp_inference(art, w, reps, warmup, graphs=False) -> tuple[dict, np.ndarray]:
     before = device_used()
     ex = art.executor()
+    ex.cuda_graphs = graphs
     b = ex.bind(w.graph)
     b = ex.feed(b, {"x": w.x})
     ex.execute(b)
@@ -147,10 +148,11 @@ def gcomp_inference(art, w, reps, warmup) -> tuple[dict, np.ndarray]:
     return res, out
 
 
-def gcomp_training(art, w, reps, warmup, profile: bool) -> dict:
+def gcomp_training(art, w, reps, warmup, profile: bool, graphs=False) -> dict:
     from gcomp.runtime.trainer import Trainer
     before = device_used()
     tr = Trainer(art, w.graph)
+    tr.train_ex.cuda_graphs = graphs
     res = summary(timed(tr.step, tr.train_ex.sync, reps, warmup))
     res["device_bytes"] = device_used() - before
     res["final_loss"] = tr.step()
@@ -310,16 +312,22 @@ def run(args, save) -> dict:
                            for k, v in w.model.params.items()):
                         raise SystemExit(f"{graph} {name}: the artifact holds other weights "
                                          "than the workload's model: prepare it again")
-                    try:
-                        if mode == "inference":
-                            case[key], outs[prec] = gcomp_inference(art, w, args.reps,
-                                                                    args.warmup)
-                        else:
-                            case[key] = gcomp_training(art, w, args.reps, args.warmup,
-                                                       args.profile)
-                    except Exception as e:  # noqa: BLE001 - report it with the case, run the rest
-                        traceback.print_exc()
-                        case[key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                    for graphs in (False, True) if args.cuda_graphs else (False,):
+                        k = key + ("-graph" if graphs else "")
+                        try:
+                            if mode == "inference":
+                                case[k], o = gcomp_inference(art, w, args.reps, args.warmup,
+                                                             graphs)
+                                if graphs:  # the replay against the eager launches
+                                    case[k]["rel_err_vs_eager"] = rel_err(o, outs[prec])
+                                else:
+                                    outs[prec] = o
+                            else:
+                                case[k] = gcomp_training(art, w, args.reps, args.warmup,
+                                                         args.profile and not graphs, graphs)
+                        except Exception as e:  # noqa: BLE001 - report it with the case, run the rest
+                            traceback.print_exc()
+                            case[k] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
                     del art
                     torch.cuda.empty_cache()
                     save(result)
@@ -429,6 +437,23 @@ def markdown(res: dict) -> str:
             else:
                 row += f" {h['error'][:40]} | - | - | - |"
         lines.append(row)
+    replays = [(c, k) for c in res["cases"] for k in c if k.endswith("-graph")]
+    if replays:
+        lines += ["", "gcomp's steps replayed as one CUDA graph (`--cuda-graphs`), against "
+                  "its eager launches:", "",
+                  "| graph | model | mode | build | eager ms | CUDA graph ms | speed-up | "
+                  "same result |", "|---|---|---|---|---|---|---|---|"]
+        for c, k in replays:
+            eager, g = c.get(k[:-len("-graph")], {}), c[k]
+            if "median_ms" not in g or "median_ms" not in eager:
+                lines.append(f"| {c['graph']} | {c['model']} | {c['mode']} | {k} | "
+                             f"{g.get('error', eager.get('error', '-'))[:60]} | | | |")
+                continue
+            same = (f"loss {g['final_loss']:.6f} / {eager['final_loss']:.6f}"
+                    if "final_loss" in g else f"rel err {g.get('rel_err_vs_eager', float('nan')):.1e}")
+            lines.append(f"| {c['graph']} | {c['model']} | {c['mode']} | {k[:-len('-graph')]} | "
+                         f"{eager['median_ms']:.3f} | {g['median_ms']:.3f} | "
+                         f"{eager['median_ms'] / g['median_ms']:.2f}x | {same} |")
     if res.get("accuracy"):
         lines += ["", f"Cora, GCN 2 x 16, {ACCURACY_EPOCHS} epochs from the same weights "
                   "(Adam lr 0.01, weight decay 5e-4):", "",
@@ -456,6 +481,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="also time gcomp with each step replayed as a CUDA graph")
     p.add_argument("--no-spmm", action="store_true")
     p.add_argument("--no-accuracy", action="store_true",
                    help="skip the Cora accuracy runs (a run of several processes makes them once)")

@@ -22,6 +22,7 @@ numpy arithmetic happens there.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -35,6 +36,7 @@ from gcomp.runtime.data import GraphData, check_edge_values, check_features
 from gcomp.runtime import formats as fmts
 from gcomp.runtime.features import SparseFeatures, sparse_enough
 from gcomp.runtime.graph import GraphStructure
+from gcomp.runtime.cuda_graph import CudaGraph, key_of
 from gcomp.runtime.memory import ITEMSIZE, plan_memory
 from gcomp.runtime.plan import FEED_PARTS, NONFINITE, Plan
 from gcomp.runtime.reorder import choose_order, inverse, rcm_order, relabel
@@ -65,6 +67,8 @@ class Binding:
     # kernels read, and those arrays as kernel arguments (Executor._moved)
     sparse: dict = field(default_factory=dict)
     sparse_args: dict = field(default_factory=dict)
+    runs: int = 0  # execute() calls; a CUDA graph is captured at the second
+    cuda_graph: object = None  # gcomp.runtime.cuda_graph.CudaGraph of the steps
 
     def reads_callers(self, name: str) -> bool:
         """Whether the kernels read node input ``name`` in the caller's array (last feed)."""
@@ -215,6 +219,8 @@ class Executor:
         self.force_variants: dict[str, bool] = {}  # variant key -> on/off, overriding the choice
         self.reorder = "auto"  # node order when binding: auto (cost model), none, rcm, degree
         self.formats = "auto"  # adjacency format: auto (cost model) or one of formats.FORMATS
+        # on a GPU, replay each binding's steps as one CUDA graph (runtime/cuda_graph.py)
+        self.cuda_graphs = os.environ.get("GCOMP_CUDA_GRAPHS") == "1"
 
     def tensor(self, a: np.ndarray):
         a = np.array(a, order="C")  # np.array keeps 0-d shapes (ascontiguousarray does not)
@@ -668,6 +674,17 @@ class Executor:
             # sparse-feature kernels), and a later bind() replaces this one
             raise InputError("this binding was replaced by a later bind() or feed(); run the "
                              "binding that feed() returned")
+        binding.runs += 1
+        if self.cuda_graphs and not self.on_cpu and binding.runs > 1:
+            # the first run is eager, so TVM's workspace pool holds every kernel's scratch
+            # before the capture takes its pointers
+            g = binding.cuda_graph
+            if g is None or g.key != key_of(binding.steps):
+                if g is not None:
+                    g.close()
+                g = binding.cuda_graph = CudaGraph(self.device, binding.steps)
+            g.launch()
+            return
         for fn, args in binding.steps:
             fn(*args)
 

@@ -149,6 +149,27 @@ def test_training_step_with_hub_rows(build, name):
 
 
 @pytest.mark.parametrize("name", MODELS)
+def test_cuda_graph_replay_matches_eager_steps(build, name):
+    """Executor.cuda_graphs: the steps after the first replayed as one CUDA graph give the
+    eager launches' losses and parameters bit for bit (the same kernels in the same
+    order), dropout's step counter and Adam's included; inference likewise."""
+    g = labelled(awkward_graph(num_nodes=300, num_edges=3000, num_features=6, seed=3), 3)
+    m = build_model(name, 6, 8, out_channels=3, layers=3, heads=2, dropout=0.3, seed=1)
+    (art,) = build(m, "cuda", train=True)
+    eager, replay = Trainer(art, g, seed=2), Trainer(art, g, seed=2)
+    replay.train_ex.cuda_graphs = True
+    for _ in range(4):
+        assert replay.step() == eager.step()
+    assert replay._binding.cuda_graph is not None and eager._binding.cuda_graph is None
+    for k, v in eager.parameters().items():
+        np.testing.assert_array_equal(replay.parameters()[k], v, err_msg=k)
+    ex = art.executor()
+    ex.cuda_graphs = True
+    first = ex.run(g)[0]
+    assert np.array_equal(ex.run(g)[0], first) and np.array_equal(ex.run(g)[0], first)
+
+
+@pytest.mark.parametrize("name", MODELS)
 def test_bf16_forward_and_training_step(build, name):
     """--precision bf16 on the GPU (checked so far in the CUDA emulator only,
     tests/test_cuda_emulated.py): the forward pass within bfloat16's rounding of the
