@@ -66,3 +66,17 @@ def test_report_of_a_training_case_without_a_forward_difference():
     md = gpu.markdown(res)
     assert "| 1.70 / 240 | 3.18x | - | 3.8204 / 3.8057 |" in md
     assert "nan" not in md
+
+
+def test_report_of_cuda_graph_replays_without_peers():
+    case = {"graph": "pubmed-synth", "model": "gin", "mode": "training",
+            "gcomp": {"median_ms": 0.648, "device_bytes": 66 * 2**20, "final_loss": 1.098504},
+            "gcomp-graph": {"median_ms": 0.594, "device_bytes": 66 * 2**20,
+                            "final_loss": 1.098504}}
+    res = {"device": "a GPU", "command": "bench.gpu run", "when": "now", "versions": {},
+           "layers": 3, "hidden": 32, "heads": 4, "reps": 10, "warmup": 3, "spmm": [],
+           "cases": [case]}
+    md = gpu.markdown(res)
+    assert "| graph | model | mode | gcomp ms | gcomp MiB | vs best PyG |\n|---|---|---|---|---|---|" in md
+    assert "| pubmed-synth | gin | training | 0.65 | 66 | - |" in md
+    assert "| gcomp | 0.648 | 0.594 | 1.09x | loss 1.098504 / 1.098504 |" in md
