@@ -9,18 +9,22 @@ calling them one by one, with one ``cudaGraphLaunch`` on the default stream: hos
 copies (feeds, the step counters, reading the loss) and ``Device.sync`` order with it as
 with the kernels they replace.
 
-Why: a step launches each kernel from Python through TVM's function call, about 5-15
-microseconds of host time per kernel.  A 3-layer GCN training step has 26 kernels, an
-epoch of Cora takes 0.3 ms on an H200 (`bench/results/h200`): the GPU waits on the host.
-Capture runs on a stream of its own (CUDA cannot capture the default stream), in relaxed
-mode, after one eager run, so TVM's workspace pool already holds every kernel's scratch
-and the captured pointers stay valid (the pool keeps what it allocated).
+Why: a step launches each kernel from Python through TVM's function call, one host
+round of argument packing and a driver launch per kernel (a 3-layer GCN training step has
+26).  On an H200 the replay saved 0-9% of an epoch (arxiv- and pubmed-size graphs,
+`bench/results/h200/graphs-20261126.md`): the launches were mostly hidden behind the
+kernels, so it is opt-in.  Capture runs on a stream of its own (CUDA cannot capture the
+default stream), in relaxed mode, after one eager run, so TVM's workspace pool already
+holds every kernel's scratch and the captured pointers stay valid (the pool keeps what it
+allocated).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+
+import tvm_ffi
 
 from gcomp.errors import GcompError
 
@@ -46,7 +50,6 @@ class CudaGraph:
     """The launches of ``steps`` ((fn, args) pairs) captured on ``device``."""
 
     def __init__(self, device, steps, lib=None):
-        import tvm_ffi
         self.lib = lib if lib is not None else cudart()
         self.key = key_of(steps)
         self._steps = list(steps)  # keeps the argument tuples (and their ids) alive
