@@ -35,21 +35,26 @@ from gcomp.errors import InputError
 
 
 HUB_EDGES = 128  # a GPU thread's longest edge loop in an aggregation (hub_split), at least
+# tasks a graph may always have, whatever its rows (a GPU runs thousands of warps at once;
+# their partial rows are at most 16 KB per feature)
+MIN_TASKS = 4096
 
 
 def task_edges(indptr: np.ndarray) -> int:
     """Edges per hub task for a graph: ``HUB_EDGES``, doubled while the tasks would be
-    more than half the rows.  Each task reduces into a partial row of the aggregation's
-    width (t x F float32 scratch, which TVM's device workspace pool keeps once
-    allocated), so the partials never take more than half the output's memory, and a
-    hub row merges fewer of them (one thread per feature adds its row's partials in
-    order).  At 128 edges the Reddit-size graph (492 edges a row on average) had 4.1
-    times as many tasks as rows: GraphSAGE's 602-wide mean aggregation (once per feed)
-    held 2.2 GB of partials on the GPU (156 MB at the 1,024 edges chosen now); the
-    arxiv-size graph keeps 128."""
+    more than half the rows (and more than ``MIN_TASKS``).  Each task reduces into a
+    partial row of the aggregation's width (t x F float32 scratch, which TVM's device
+    workspace pool keeps once allocated), so the partials take at most half the output's
+    memory, and a hub row merges fewer of them (one thread per feature adds its row's
+    partials in order).  At 128 edges the Reddit-size graph (492 edges a row on average)
+    had 4.1 times as many tasks as rows: GraphSAGE's 602-wide mean aggregation (once per
+    feed) held 2.2 GB of partials on the GPU (156 MB at the 1,024 edges chosen now); the
+    arxiv-size graph keeps 128, and so does a graph of few rows with long ones (up to
+    ``MIN_TASKS`` tasks), whose hubs would otherwise be walked by few threads."""
     deg = np.diff(indptr)
+    allowed = max(len(deg) // 2, MIN_TASKS)
     size = HUB_EDGES
-    while 2 * int(np.sum(-(-deg[deg > size] // size))) > max(len(deg), 1):
+    while int(np.sum(-(-deg[deg > size] // size))) > allowed:
         size *= 2
     return size
 
