@@ -12,7 +12,7 @@ Why: the GPU schedule gives each output row to one thread per feature, which wal
 row's edges in order.  On power-law graphs one row can hold 2% of all edges (arxiv-size:
 22,897 of 1.17M); its warp then runs 180 times longer than the average and the whole
 aggregation waits for it (2.2 ms on an H100 against cuSPARSE's 0.16 ms).  The split
-cuts such rows into tasks of ``graph.HUB_EDGES`` edges reduced in parallel.  The CPU
+cuts such rows into tasks of ``graph.task_edges`` edges reduced in parallel.  The CPU
 schedules balance rows across threads by edges already (``cpu_kernels._row_range``).
 Attention is hit hardest: one thread per (row, head) walked a hub's 22,752 out-edges in
 ``attention_grad_src`` (40 ms per call on an H100, a 193 ms GAT epoch).

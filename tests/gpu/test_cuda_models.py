@@ -124,13 +124,14 @@ def test_training_step(build, name, dropout, tol=1e-4):
 @pytest.mark.parametrize("name", MODELS)
 def test_training_step_with_hub_rows(build, name):
     """A training step on a graph whose rows of in-edges and of out-edges exceed
-    ``graph.HUB_EDGES``: the hub tasks of every aggregation and of GAT's attention (forward,
+    ``graph.task_edges``: the hub tasks of every aggregation and of GAT's attention (forward,
     both backward halves, with dropout) against the CPU build: loss, gradients, updated
     parameters."""
-    from gcomp.runtime.graph import HUB_EDGES
+    from gcomp.runtime.graph import task_edges
     g = synthetic_graph(3000, 40000, 16, 4, seed=5)
     for side in (0, 1):
-        assert (np.bincount(g.edge_index[side]) > HUB_EDGES).sum() > 10
+        deg = np.bincount(g.edge_index[side], minlength=g.num_nodes)
+        assert (deg > task_edges(np.concatenate([[0], np.cumsum(deg)]))).sum() > 10
     m = build_model(name, 16, 32, out_channels=4, layers=2, heads=4, dropout=0.2, seed=1)
     gpu_art, cpu_art = build(m, "cuda", "llvm", train=True)
     gpu, cpu = Trainer(gpu_art, g, seed=2), Trainer(cpu_art, g, seed=2)
