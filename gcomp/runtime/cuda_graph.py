@@ -34,14 +34,13 @@ _LIBS = ("libcudart.so.13", "libcudart.so.12", "libcudart.so")
 
 def cudart(names=_LIBS):
     """The CUDA runtime library (the one TVM's CUDA plugin loaded, by name)."""
-    for name in [*names, ctypes.util.find_library("cudart")]:
+    for name in filter(None, [*names, ctypes.util.find_library("cudart")]):
         try:
-            lib = ctypes.CDLL(name) if name else None
+            lib = ctypes.CDLL(name)
         except OSError:
             continue
-        if lib is not None:
-            lib.cudaGetErrorString.restype = ctypes.c_char_p
-            return lib
+        lib.cudaGetErrorString.restype = ctypes.c_char_p
+        return lib
     raise GcompError("CUDA graphs need the CUDA runtime library (libcudart), which was not "
                      "found; run without them (Executor.cuda_graphs = False)")
 
