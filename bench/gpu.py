@@ -19,6 +19,9 @@ A GPU host often has no TVM compiler (``docs/cuda.md``), so this runs in two hal
     after the steps (``cudaMemGetInfo`` before and after, the allocator pool included).
     Before timing, gcomp's forward output is checked against PyG eager (relative error).
     ``--profile`` adds gcomp's per-kernel times of a training step (synchronized per kernel).
+    ``--cuda-graphs`` also times gcomp with each step after the first replayed as a CUDA
+    graph (``Executor.cuda_graphs``), and compares its final loss or output with the eager
+    run's.
     ``--precisions fp32,bf16`` also times gcomp's bfloat16 build of every case (its forward
     output against the float32 build's, its loss after the same steps) and trains Cora's
     GCN ``ACCURACY_EPOCHS`` epochs in each precision (test accuracy); the peers run
