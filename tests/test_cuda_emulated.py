@@ -170,3 +170,52 @@ def test_bf16_training_step_as_close_as_the_cpus(name):
     far = {p: (rel_err(grads[p], ref[p]), rel_err(cpu[p], ref[p])) for p in ref
            if rel_err(grads[p], ref[p]) > max(2 * rel_err(cpu[p], ref[p]), 1e-2)}
     assert not far, far
+
+
+@pytest.mark.parametrize("C,n", [(7, 5), (40, 16_390), (3, 40_000)])
+def test_loss_and_its_gradient_against_numpy(C, n):
+    """The GPU cross-entropy and its gradient (sums by row chunks): fewer rows than chunks
+    and more, with rows outside the mask and unlabelled rows (y < 0), against numpy in
+    float64."""
+    from gcomp.codegen.kernels import KernelSpec
+    from gcomp.debug.cuda_emulator import EmulatedLibrary
+    rng = np.random.default_rng(C + n)
+    z = (3 * rng.standard_normal((n, C))).astype(np.float32)
+    y = rng.integers(-1, C, n).astype(np.int32)
+    m = (rng.random(n) < 0.6).astype(np.float32)
+    m[0], y[0] = 1.0, 0  # at least one counted row
+    lib = EmulatedLibrary({"ce": KernelSpec.make("cross_entropy", C=C),
+                           "grad": KernelSpec.make("cross_entropy_grad", C=C)})
+    lse, loss = np.zeros(n, np.float32), np.full((), np.nan, np.float32)
+    lib["ce"](z, y, m, lse, loss)
+    dz = np.full((n, C), np.nan, np.float32)
+    lib["grad"](np.full((), 2.0, np.float32), z, y, m, lse, dz)
+
+    z64 = z.astype(np.float64)
+    ref_lse = np.log(np.exp(z64 - z64.max(1, keepdims=True)).sum(1)) + z64.max(1)
+    w = m * (y >= 0)
+    rows = np.flatnonzero(w)
+    ref_loss = (w[rows] * (ref_lse[rows] - z64[rows, y[rows]])).sum() / m.sum()
+    ref_dz = np.exp(z64 - ref_lse[:, None])
+    ref_dz[rows, y[rows]] -= 1
+    ref_dz *= 2.0 * w[:, None] / m.sum()
+    np.testing.assert_allclose(lse[rows], ref_lse[rows], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(dz, ref_dz, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("K,M,n", [(40, 40, 3000), (3, 8, 5), (602, 128, 40)])
+def test_weight_gradients_against_numpy(K, M, n):
+    """The GPU weight gradient x^T y (chunk partials, then a warp per result element adding
+    them): chunks that divide by a warp and one that does not (602 x 128: 26 chunks), fewer
+    rows than chunks, against numpy in float64."""
+    from gcomp.codegen.dense_kernels import gpu_tn_tiles
+    from gcomp.codegen.kernels import KernelSpec
+    from gcomp.debug.cuda_emulator import EmulatedLibrary
+    rng = np.random.default_rng(K + M + n)
+    x = rng.standard_normal((n, K)).astype(np.float32)
+    y = rng.standard_normal((n, M)).astype(np.float32)
+    out = np.full((K, M), np.nan, np.float32)
+    EmulatedLibrary({"k": KernelSpec.make("matmul_tn", K=K, M=M)})["k"](x, y, out)
+    np.testing.assert_allclose(out, x.astype(np.float64).T @ y, rtol=1e-5, atol=1e-4)
+    assert (K, M) != (602, 128) or gpu_tn_tiles(K, M).P % 32

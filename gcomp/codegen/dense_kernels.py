@@ -513,8 +513,10 @@ class TnTiles:
 
 
 GPU_TN_THREADS = 256  # threads per block at most
-GPU_TN_GRID = 264 * 256  # threads in flight to aim for: two full blocks per H100 SM
+GPU_TN_GRID = 528 * 256  # threads in flight to aim for: four full blocks per H100 SM
+GPU_TN_PARTIALS = 1 << 21  # floats of chunk partials at most (8 MiB)
 GPU_TN_SHARED = 40 * 1024  # bytes of staged rows per block (the static limit is 48 KiB)
+GPU_TN_SUM_LANES = 32  # threads (a warp) adding one result element's chunk partials
 
 
 def _round_up(v: int, m: int) -> int:
@@ -562,7 +564,9 @@ def gpu_tn_tiles(K: int, M: int) -> TnTiles:
     if best is None:
         raise ValueError(f"no GPU tiling of a {K} x {M} weight gradient")
     ta, tb, nx, ny, BK, R, Kp, Mp = best[1]
-    P = max(1, min(1024, GPU_TN_GRID // (nx * ny) // (Kp // BK)))
+    P = max(1, min(1024, GPU_TN_GRID // (nx * ny) // (Kp // BK), GPU_TN_PARTIALS // (Kp * Mp)))
+    if P >= GPU_TN_SUM_LANES:  # the chunks' sum splits them over a warp exactly
+        P -= P % GPU_TN_SUM_LANES
     return TnTiles(ta, tb, nx, ny, BK, R, P, Kp, Mp)
 
 
@@ -705,19 +709,52 @@ def _valid(m, y, i):
     return tirx.all(m[i] != _f32(0), y[i] >= 0)
 
 
+GPU_LOSS_CHUNKS = 16384  # interleaved row chunks of a loss's sums on the GPU (64 blocks;
+#                          an arxiv-size graph's threads walk 11 rows each)
+
+
+def _chunk_sums(terms, n, P: int):
+    """sum_i terms[j](i) for each j, on the GPU: ``P`` chunk partials (chunk p sums rows
+    p, p + P, p + 2P, ..., so neighbouring threads read neighbouring rows), then a
+    reduction over the chunks that one block of threads shares.  A fixed order: still
+    deterministic.  (One block of 1,024 threads walking the rows took 0.08 ms of an
+    arxiv-size loss, and as much again for the gradient's mask count, on an H200.)"""
+    L = (n + P - 1) // P
+    k = te.reduce_axis((0, L), name="k")
+
+    def term(p, j):
+        i = k * P + p
+        v = terms[-1](i)
+        for t in range(len(terms) - 2, -1, -1):
+            v = tirx.Select(j == t, terms[t](i), v)
+        return te.sum(tirx.if_then_else(i < n, v, _f32(0)), axis=k)
+
+    part = te.compute((P, len(terms)), term, name="part")
+    q = te.reduce_axis((0, P), name="q")
+    return te.compute((len(terms),), lambda j: te.sum(part[q, j], axis=q), name="sums")
+
+
 @definer("cross_entropy")
-def cross_entropy(C: int):
+def cross_entropy(C: int, gpu: bool = False):
     """loss = sum_i m_i * (lse_i - z_i[y_i]) / sum_i m_i (rows with y < 0 skipped), where
     lse_i = logsumexp(z_i) is also written: the gradient kernel reads it (rows with m != 0
-    and y >= 0) instead of computing each row's max and sum again."""
+    and y >= 0) instead of computing each row's max and sum again.  ``gpu``: both sums by
+    row chunks (``_chunk_sums``)."""
     n = tirx.Var("n", "int64")
     z = te.placeholder((n, C), "float32", name="z")
     y = te.placeholder((n,), "int32", name="y")
     m = te.placeholder((n,), "float32", name="m")
     mx, ex, sm = _softmax_stats(z, C, n)
     lse = te.compute((n,), lambda i: mx[i] + tirx.log(sm[i]), name="lse")
-    row = te.compute((n,), lambda i: tirx.Select(
-        _valid(m, y, i), m[i] * (lse[i] - z[i, tirx.max(y[i], 0)]), _f32(0)), name="row")
+
+    def term(i):
+        return tirx.Select(_valid(m, y, i), m[i] * (lse[i] - z[i, tirx.max(y[i], 0)]),
+                           _f32(0))
+    if gpu:
+        sums = _chunk_sums([term, lambda i: m[i]], n, GPU_LOSS_CHUNKS)
+        out = te.compute((), lambda: sums[0] / sums[1], name="loss")
+        return te.create_prim_func([z, y, m, lse, out])
+    row = te.compute((n,), term, name="row")
     r = te.reduce_axis((0, n), name="r")
     total = te.compute((), lambda: te.sum(row[r], axis=r), name="total")
     q = te.reduce_axis((0, n), name="q")
@@ -727,21 +764,24 @@ def cross_entropy(C: int):
 
 
 @definer("cross_entropy_grad")
-def cross_entropy_grad(C: int):
+def cross_entropy_grad(C: int, gpu: bool = False):
     """dz = dy * (softmax(z) - onehot(y)) * m / sum(m), softmax(z_i) = exp(z_i - lse_i) with
-    the loss kernel's lse."""
+    the loss kernel's lse.  ``gpu``: sum(m) by row chunks (``_chunk_sums``)."""
     n = tirx.Var("n", "int64")
     dy = te.placeholder((), "float32", name="dy")
     z = te.placeholder((n, C), "float32", name="z")
     y = te.placeholder((n,), "int32", name="y")
     m = te.placeholder((n,), "float32", name="m")
     lse = te.placeholder((n,), "float32", name="lse")
-    q = te.reduce_axis((0, n), name="q")
-    count = te.compute((), lambda: te.sum(m[q], axis=q), name="count")
+    if gpu:
+        count = _chunk_sums([lambda i: m[i]], n, GPU_LOSS_CHUNKS)[0]
+    else:
+        q = te.reduce_axis((0, n), name="q")
+        count = te.compute((), lambda: te.sum(m[q], axis=q), name="count")[()]
     out = te.compute((n, C), lambda i, c: tirx.Select(
         _valid(m, y, i),
         (fast_exp(z[i, c] - lse[i]) - tirx.Select(y[i] == c, _f32(1), _f32(0))) * m[i] * dy[()]
-        / count[()], _f32(0)), name="row")
+        / count, _f32(0)), name="row")
     return te.create_prim_func([dy, z, y, m, lse, out])
 
 

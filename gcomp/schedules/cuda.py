@@ -19,11 +19,10 @@ Thread layouts used here:
   load per gathered row).
 * **flat** (``_bind_flat``): elementwise work, all loops fused and split over
   blocks of ``THREADS`` threads.
-* **cross-thread reduction** (``_reduce_to_scalar``): reductions over the
-  symbolic row axis to a scalar (loss, mask counts) run in one block: each of
-  ``SCALAR_THREADS`` threads sums a strided share in a fixed order, then TVM's
-  warp-shuffle tree adds the partial sums.  No atomics anywhere: every kernel is
-  deterministic (the same inputs give the same bits).
+* **chunked sums to scalars** (``_chunk_sums``): the losses' sums over the symbolic
+  row axis run a thread per chunk of rows, then one block of ``SCALAR_THREADS``
+  threads adds the chunks' partials by TVM's warp-shuffle tree.  No atomics anywhere:
+  every kernel is deterministic (the same inputs give the same bits).
 * reductions over rows into a small static output (``matmul_tn``, ``colsum``) use
   the chunked definitions (partial sums per chunk of rows, then their sum) with
   more chunks on the GPU (``DEFINITION_PARAMS``).
@@ -57,6 +56,8 @@ THREADS = 256  # threads per block
 # keep CPU kernels unchanged).  More row chunks: a GPU wants thousands of threads.
 DEFINITION_PARAMS = {
     "colsum": {"gpu": True},
+    "cross_entropy": {"gpu": True},
+    "cross_entropy_grad": {"gpu": True},
     "matmul": {"gpu": True},
     "matmul_tn": {"gpu": True},
 }
@@ -164,16 +165,6 @@ def _block_per_output(sch, out_loop, r, threads: int = THREADS) -> None:
     sch.reorder(out_loop, ri, ro)
     sch.bind(out_loop, "blockIdx.x")
     sch.bind(ri, "threadIdx.x")
-
-
-def _reduce_to_scalar(sch, block) -> None:
-    """A reduction block with no spatial loops over a long axis: one block of
-    ``SCALAR_THREADS`` threads, each summing a strided share, then a warp-shuffle tree
-    (deterministic).  (With 256 threads each walked 661 rows of an arxiv-size graph: the
-    loss and its gradient took 0.13 and 0.08 ms of a 1.7 ms GCN epoch on an H100.)"""
-    loops = sch.get_loops(block)
-    r = _fuse(sch, loops)
-    _block_per_output(sch, sch.add_unit_loop(block), r, SCALAR_THREADS)
 
 
 def _single_thread(sch, block) -> None:
@@ -349,10 +340,10 @@ def _matmul_tn(sch, K: int, M: int) -> None:
     rows, slice of x's columns); per step it copies ``R`` rows of x and y into shared
     memory (all threads, neighbouring floats), then each thread adds their products into
     its ``ta`` x ``tb`` register tile.  The partial sums of the chunks are then added in
-    a fixed order, one thread per result element.  (One thread per result element
+    a fixed order, a warp per result element.  (One thread per result element
     looping over its chunk's rows, the form before, read x and y from global memory for
     every product: 0.5 ms for a 128 x 32 gradient on arxiv-size rows on an H100.)"""
-    from gcomp.codegen.dense_kernels import gpu_tn_tiles
+    from gcomp.codegen.dense_kernels import GPU_TN_SUM_LANES, gpu_tn_tiles
     tl = gpu_tn_tiles(K, M)
     part = sch.get_sblock("part")
     p, a, u, v, t, r = sch.get_loops(part)
@@ -365,9 +356,12 @@ def _matmul_tn(sch, K: int, M: int) -> None:
     _in_register(sch, part, "part", v)
     _stage_in_shared(sch, ("xs", "ys"), t, tl.ny, tl.nx)
     sch.decompose_reduction(part, t)
-    total = sch.get_sblock("sum")
-    tx = _bind_loops(sch, sch.get_loops(total)[:2], divisor_at_most(K * M, THREADS))
-    _in_register(sch, total, "sum", tx)
+    # a warp per result element adds its chunks' partials, each lane a strided share, then
+    # warp shuffles (a fixed order).  A thread per element walking all P partials, one
+    # load after another, took most of the kernel's time: 0.05 to 0.12 ms at arxiv size
+    # on an H200 for gradients that read 11 to 108 MB.
+    a, b, q = sch.get_loops(sch.get_sblock("sum"))
+    _block_per_output(sch, sch.fuse(a, b), q, divisor_at_most(tl.P, GPU_TN_SUM_LANES))
 
 
 def _elementwise(sch, name: str) -> None:
@@ -393,8 +387,18 @@ def _reduce(sch, p) -> None:
         sch.compute_at(blk, tx)
         sch.set_scope(blk, 0, "local")
         return
-    if n_spatial:  # a short reduction per output element, in its thread
-        _bind_loops(sch, loops[:n_spatial])
+    if n_spatial:
+        # a short reduction per output element, in its thread: summed in a register, the
+        # loop unrolled so that its loads are in flight together.  (Added into global
+        # memory one load after another, GAT's attention scores, a sum over each head's
+        # 32 channels, took 0.11 ms a call at arxiv size on an H200.  Lanes sharing the
+        # sum would read neighbouring floats, but TVM 0.27 lowers a reduction bound to
+        # threadIdx.x under a row predicate as racing stores, not warp shuffles.)
+        tx = _bind_loops(sch, loops[:n_spatial])
+        _in_register(sch, blk, "reduce", tx)
+        r_ext = _static_extent(sch, loops[-1])
+        if r_ext is not None and r_ext <= 64:
+            sch.unroll(loops[-1])
     else:  # a short reduction to a scalar: one thread
         unit = sch.add_unit_loop(blk)
         sch.reorder(unit, *loops)
@@ -420,18 +424,26 @@ def _row_stats(sch, tx) -> None:
         sch.set_scope(b, 0, "local")
 
 
+def _chunk_sums(sch) -> None:
+    """The GPU losses' sums (``dense_kernels._chunk_sums``): a thread per (chunk, term)
+    summing its rows in a register, then a block of threads per term sharing the chunks'
+    partials (a warp-shuffle tree)."""
+    part = sch.get_sblock("part")
+    tx = _bind_loops(sch, sch.get_loops(part)[:2])
+    _in_register(sch, part, "part", tx)
+    _block_per_output(sch, *sch.get_loops(sch.get_sblock("sums")), SCALAR_THREADS)
+
+
 def _cross_entropy(sch) -> None:
-    """Thread per row for the log-sum-exp (its max and sum in registers) and for the masked
-    terms; the sums to scalars in one block."""
+    """Thread per row for the log-sum-exp (its max and sum in registers); the masked terms
+    and the mask summed by row chunks (``_chunk_sums``)."""
     _row_stats(sch, _bind_flat(sch, sch.get_sblock("lse")))
-    _bind_flat(sch, sch.get_sblock("row"))
-    for name in ("total", "count"):
-        _reduce_to_scalar(sch, sch.get_sblock(name))
+    _chunk_sums(sch)
     _single_thread(sch, sch.get_sblock("loss"))
 
 
 def _cross_entropy_grad(sch) -> None:
-    _reduce_to_scalar(sch, sch.get_sblock("count"))
+    _chunk_sums(sch)
     _bind_flat(sch, sch.get_sblock("row"))
 
 
