@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections import Counter
 
 from gcomp.codegen.build import build_library, device_code_format, make_target
@@ -132,7 +134,8 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
     unknown = set(formats) - set(target_formats(tgt))
     if unknown:
         raise CompileError(f"no {', '.join(sorted(unknown))} kernels for target {target!r}")
-    ctx = ctx or PassContext(target=target)
+    # the passes see the target compiled for (reorder_linear's choices depend on it)
+    ctx = PassContext(target=target) if ctx is None else dataclasses.replace(ctx, target=target)
     ir_graph = default_pipeline()(model.graph.copy(), ctx)
     plan, specs = lower(ir_graph, formats)
     ir = {"source": print_graph(model.graph),

@@ -417,6 +417,38 @@ def test_reorder_through_gin_sum_shares_one_product():
     assert agg.inputs[1] is mm[0]
 
 
+TRAINING_GIN_LAYER = """graph t(%x: f32[N,8], %g: graph<coo>, %labels: i32[N], %train_mask: f32[N]) {
+  %w = param : f32[8,2]
+  %eps = param : f32[]
+  %a = aggregate(%g, %x) : f32[N,8]
+  %s = mul(%eps, %x) : f32[N,8]
+  %h = add(%a, %s) : f32[N,8]
+  %y = matmul(%h, %w) : f32[N,2]
+  %loss = cross_entropy(%y, %labels, %train_mask) : f32[]
+  return %loss
+}"""
+
+
+@pytest.mark.parametrize("target", ["llvm", "cuda"])
+def test_reorder_of_a_trained_gin_sum_depends_on_the_target(target):
+    """GIN's (A x + eps x) W in a training step, eps trained: the CPU aggregates x W (one
+    product, an aggregation every step); for CUDA, A x stays wide (once per feed) and the
+    product is applied to each term."""
+    from gcomp.passes import ReorderLinear
+    g = parse_graph(TRAINING_GIN_LAYER)
+    PassManager([ReorderLinear()])(g, PassContext(target=target))
+    agg = next(n for n in g if n.op.value == "aggregate")
+    mm = [n for n in g if n.op.value == "matmul"]
+    if target == "llvm":
+        assert len(mm) == 1 and mm[0].inputs[0].name == "x" and agg.inputs[1] is mm[0]
+        return
+    assert agg.inputs[1].name == "x"
+    assert sorted(n.inputs[0].name for n in mm) == ["a", "x"]
+    assert agg.meta["reorder"] == {"width_before": 8, "width_after": 8, "hoisted": True}
+    PassManager([HoistGraphStatic()])(g)
+    assert agg.meta["phase"] == "feed"
+
+
 TRAINING_GCN_LAYER = """graph t(%x: f32[N,8], %g: graph<coo>, %labels: i32[N], %train_mask: f32[N]) {
   %w = param : f32[8,2]
   %g1 = self_loops[mode="add_remaining"](%g) : graph<coo>

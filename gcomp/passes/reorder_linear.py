@@ -25,6 +25,13 @@ whatever the widths, and ``aggregate(g, matmul(x, W))`` over such an ``x`` becom
 skips that aggregation forward and its transpose backward (A X W: the weight
 gradient is (A X)^T dY).  Not when ``hoist_graph_static`` is disabled: nothing would
 then run once per feed.
+
+For ``-t cuda``, a fed aggregation inside a sum also stays wide: GIN's first layer
+``(A x + (1 + eps) x) W``, whose eps is trained (so the sum is not fed), becomes
+``(A x) W + (1 + eps) (x W)``, with A x once per feed.  On an H200 an arxiv-size
+aggregation at 32 features took 0.14 ms a call, a 128 -> 32 product 0.07 ms: the
+two aggregations a step (forward and its transpose backward) cost more than the
+second product and weight gradient.  The CPU keeps ``A (x W) + (1 + eps) (x W)``.
 """
 
 from __future__ import annotations
@@ -68,8 +75,13 @@ def _pushable(v, depth: int = 0) -> bool:
     return False
 
 
-def _distribute(graph, v, w):
-    """``v @ w`` with the product moved inside aggregations, sums and scalar factors."""
+def _distribute(graph, v, w, fed: set):
+    """``v @ w`` with the product moved inside aggregations, sums and scalar factors, except
+    into the aggregations in ``fed`` (they stay wide: once per feed)."""
+    if v in fed:  # stays wide, once per feed: recorded for gcomp explain
+        K = int(w.ty.shape[0])
+        v.meta.setdefault("reorder", {"width_before": K, "width_after": K, "hoisted": True})
+        return _matmul(graph, v, w)
     if _linear_agg(v) and _sole(v):
         g, x = v.inputs[0], v.inputs[1]
         inner = _matmul(graph, x, w)
@@ -78,18 +90,20 @@ def _distribute(graph, v, w):
         agg.meta["reorder"] = {"width_before": int(x.ty.shape[1]), "width_after": int(w.ty.shape[1])}
         return agg
     if v.op == Op.ADD and _sole(v):
-        a, b = (_distribute(graph, i, w) for i in v.inputs)
+        a, b = (_distribute(graph, i, w, fed) for i in v.inputs)
         return graph.create_node(Op.ADD, [a, b], name=graph.fresh_name(v.name))
     if v.op == Op.MUL and _sole(v):
         s, x = v.inputs if v.inputs[0].ty.rank == 0 else reversed(v.inputs)
         if s.ty.rank == 0:
-            return graph.create_node(Op.MUL, [s, _distribute(graph, x, w)],
+            return graph.create_node(Op.MUL, [s, _distribute(graph, x, w, fed)],
                                      name=graph.fresh_name(v.name))
     return _matmul(graph, v, w)
 
 
-def _rules(fed: set):
-    """The rewrites, given the values that are free to aggregate (fed once, see above)."""
+def _rules(fed: set, wide_in_sums: bool):
+    """The rewrites, given the values that are free to aggregate (fed once, see above), and
+    whether a fed aggregation inside a sum stays wide (``-t cuda``)."""
+    kept = {v for v in fed if _linear_agg(v)} if wide_in_sums else set()
 
     @rule([Op.MATMUL])
     def do_push_into_aggregate(n):
@@ -104,7 +118,7 @@ def _rules(fed: set):
                 v.meta.setdefault("reorder", {"width_before": int(K), "width_after": int(K),
                                               "hoisted": True})
             return None
-        return _distribute(n.graph, v, w)
+        return _distribute(n.graph, v, w, kept)
 
     @rule([Op.AGGREGATE])
     def do_pull_out_of_aggregate(n):
@@ -141,4 +155,5 @@ class ReorderLinear(Pass):
     def run(self, graph, ctx) -> bool:
         # fed values cost nothing per step only if hoist_graph_static gives them a phase
         hoisting = ctx is None or "hoist_graph_static" not in ctx.disabled
-        return apply_rules(graph, _rules(_fed_values(graph) if hoisting else set()))
+        fed = _fed_values(graph) if hoisting else set()
+        return apply_rules(graph, _rules(fed, (ctx is not None and ctx.target == "cuda")))
