@@ -417,11 +417,16 @@ def _softmax(sch) -> None:
 
 
 def _row_stats(sch, tx) -> None:
-    """Per-row softmax statistics of the loss kernels, computed inside the row's thread."""
-    for name in ("rowsum", "exp", "rowmax"):
+    """Per-row softmax statistics of the loss, computed inside the row's thread: the
+    exponentials summed as they are made (not kept in a local array, which lives in
+    local memory), the maximum's loop unrolled so that the row's loads are in flight
+    together (the sum then reads them from L1)."""
+    sch.compute_inline(sch.get_sblock("exp"))
+    for name in ("rowsum", "rowmax"):
         b = sch.get_sblock(name)
         sch.compute_at(b, tx)
         sch.set_scope(b, 0, "local")
+    sch.unroll(sch.get_loops(sch.get_sblock("rowmax"))[-1])
 
 
 def _chunk_sums(sch) -> None:
