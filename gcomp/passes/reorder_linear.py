@@ -31,7 +31,9 @@ For ``-t cuda``, a fed aggregation inside a sum also stays wide: GIN's first lay
 ``(A x) W + (1 + eps) (x W)``, with A x once per feed.  On an H200 an arxiv-size
 aggregation at 32 features took 0.14 ms a call, a 128 -> 32 product 0.07 ms: the
 two aggregations a step (forward and its transpose backward) cost more than the
-second product and weight gradient.  The CPU keeps ``A (x W) + (1 + eps) (x W)``.
+second product and weight gradient (GIN's epoch 1.91 -> 1.72 ms).  The CPU keeps
+``A (x W) + (1 + eps) (x W)``: on the 2-core build machine both forms train GIN's
+arxiv-size step in the same time (99.2 and 100.9 ms), and it holds no [N, 128] A x.
 """
 
 from __future__ import annotations
