@@ -669,3 +669,14 @@ def test_rematerialize_recomputes_what_the_backward_can():
     kept = REMAT_BEFORE.replace("  %dn = mul(%dy, %n) : f32[N,8]\n", "").replace(
         "return %loss, %dh, %dn, %dz", "return %loss, %dh, %dz")
     same(run_pass(Rematerialize(), kept), kept)
+
+
+def test_compile_model_runs_the_passes_for_the_target_it_compiles_for():
+    """A pass context made for another target (here CUDA's) does not change what the CPU
+    build's passes choose: GIN's training step keeps the CPU's narrow first layer."""
+    import gcomp.models as models
+    from gcomp.compiler import compile_model
+    m = models.build("gin", 16, hidden=8, out_channels=3, layers=2, seed=0)
+    art = compile_model(m, "llvm", train=True, ctx=PassContext(target="cuda"))
+    assert not art.train_plan.feed_steps
+    assert sum(s["op"] == "aggregate" for s in art.train_plan.steps) == 4
