@@ -149,7 +149,8 @@ def _pass_context(args):
     if timing:
         instruments.append(timing)
     ctx = PassContext(target=args.target, instruments=instruments,
-                      disabled=frozenset(args.disable_pass or ()))
+                      disabled=frozenset(args.disable_pass or ()),
+                      options={"prefer": args.prefer})
     return ctx, timing
 
 
@@ -162,6 +163,10 @@ def _pass_flags(p) -> None:
     p.add_argument("--disable-pass", action="append", metavar="PASS", help="skip PASS (repeatable)")
     p.add_argument("--dump-ir", metavar="DIR", help="write numbered IR files after every pass")
     p.add_argument("--timing", action="store_true", help="print a per-pass timing table")
+    p.add_argument("--prefer", default="speed", choices=["speed", "memory"],
+                   help="memory: no wide buffers of the features' aggregations kept across "
+                        "training steps (reorder_linear); aggregate at the narrow width each "
+                        "step instead")
     p.add_argument("--reproducer", metavar="DIR",
                    help="when a pass fails, write its input IR and a replay command here")
 

@@ -119,6 +119,13 @@ def test_cli_compile_debug_flags(tmp_path, capsys):
     assert main(["compile", "gcn", "--in", "6", "--out", "3", "-o", str(out),
                  "--print-after-change", "--train"]) == 0
     assert "after autodiff (changed)" in capsys.readouterr().out
+    assert main(["explain", "gcn", "--train"]) == 0
+    assert "once per feed" in capsys.readouterr().out
+    from gcomp.runtime.artifact import load
+    for prefer, hoisted in (("speed", True), ("memory", False)):  # GCN's 64-wide A X
+        assert main(["compile", "gcn", "--in", "64", "--out", "3", "-o", str(out), "--train",
+                     "--prefer", prefer]) == 0
+        assert bool(load(out).train_plan.feed_steps) == hoisted
     assert main(["compile", "gcn", "-o", str(out), "--disable-pass", "fusion"]) == 2
     assert "unknown pass 'fusion'" in capsys.readouterr().err
 

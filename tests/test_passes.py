@@ -422,17 +422,18 @@ def test_reorder_through_gin_sum_shares_one_product():
     assert agg.inputs[1] is mm[0]
 
 
-@pytest.mark.parametrize("target", ["llvm", "cuda"])
-def test_reorder_of_a_trained_gin_sum_depends_on_the_target(target):
+@pytest.mark.parametrize("target,prefer", [("llvm", "speed"), ("cuda", "speed"),
+                                           ("cuda", "memory")])
+def test_reorder_of_a_trained_gin_sum_depends_on_the_target(target, prefer):
     """GIN's (A x + eps x) W in a training step, eps trained: the CPU aggregates x W (one
     product, an aggregation every step); for CUDA, A x stays wide (once per feed) and the
-    product is applied to each term."""
+    product is applied to each term, unless memory is preferred."""
     from gcomp.passes import ReorderLinear
     g = parse_graph(TRAINING_GIN_LAYER)
-    PassManager([ReorderLinear()])(g, PassContext(target=target))
+    PassManager([ReorderLinear()])(g, PassContext(target=target, options={"prefer": prefer}))
     agg = next(n for n in g if n.op.value == "aggregate")
     mm = [n for n in g if n.op.value == "matmul"]
-    if target == "llvm":
+    if target == "llvm" or prefer == "memory":
         assert len(mm) == 1 and mm[0].inputs[0].name == "x" and agg.inputs[1] is mm[0]
         return
     assert agg.inputs[1].name == "x"
@@ -482,6 +483,9 @@ def test_reorder_hoists_aggregation_of_fed_values_in_training():
     PassManager([ReorderLinear()])(no_phases, PassContext(disabled=frozenset(
         {"hoist_graph_static"})))
     assert print_graph(no_phases) == print_graph(parse_graph(TRAINING_GCN_LAYER))
+    memory = parse_graph(TRAINING_GCN_LAYER)  # no wide buffer kept across steps
+    PassManager([ReorderLinear()])(memory, PassContext(options={"prefer": "memory"}))
+    assert print_graph(memory) == print_graph(parse_graph(TRAINING_GCN_LAYER))
     dropped = TRAINING_GCN_LAYER.replace(
         "%h = matmul(%x, %w)", "%s = input : i32[]\n  %xd = dropout[p=0.5](%x, %s) : f32[N,8]\n"
         "  %h = matmul(%xd, %w)")
@@ -673,3 +677,11 @@ def test_compile_model_runs_the_passes_for_the_target_it_compiles_for():
     art = compile_model(m, "llvm", train=True, ctx=PassContext(target="cuda"))
     assert not art.train_plan.feed_steps
     assert sum(s["op"] == "aggregate" for s in art.train_plan.steps) == 4
+
+
+def test_pass_context_refuses_unknown_options():
+    with pytest.raises(GcompError, match="unknown pass option 'prefr'"):
+        PassContext(options={"prefr": "memory"})
+    with pytest.raises(GcompError, match="takes speed or memory, not 'small'"):
+        PassContext(options={"prefer": "small"})
+    assert PassContext().option("prefer") == "speed"

@@ -48,14 +48,34 @@ class Instrument:
         pass
 
 
+# options a pass context may carry, and their values (the first is the default)
+OPTIONS = {
+    # what reorder_linear gives up a wide [N, K] buffer for: "speed" keeps aggregations of
+    # fed values (the input features) wide, once per feed; "memory" aggregates them at the
+    # narrow width every step and keeps no such buffer
+    "prefer": ("speed", "memory"),
+}
+
+
 @dataclass
 class PassContext:
     target: str = "llvm"
     instruments: Sequence[Instrument] = ()
     disabled: frozenset = frozenset()
     verify_each: bool = True
-    graph_stats: dict | None = None  # statistics of a graph to specialize for (None: any graph)
-    options: dict = field(default_factory=dict)
+    options: dict = field(default_factory=dict)  # see OPTIONS
+
+    def __post_init__(self):
+        for key, value in self.options.items():
+            if key not in OPTIONS:
+                raise GcompError(f"unknown pass option {key!r}; options: "
+                                 f"{', '.join(sorted(OPTIONS))}")
+            if value not in OPTIONS[key]:
+                raise GcompError(f"pass option {key!r} takes {' or '.join(OPTIONS[key])}, "
+                                 f"not {value!r}")
+
+    def option(self, key: str) -> str:
+        return self.options.get(key, OPTIONS[key][0])
 
 
 class PassError(GcompError):

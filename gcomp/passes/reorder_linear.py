@@ -24,7 +24,9 @@ whatever the widths, and ``aggregate(g, matmul(x, W))`` over such an ``x`` becom
 ``matmul(aggregate(g, x), W)``; both record ``"hoisted": True``.  Each step then
 skips that aggregation forward and its transpose backward (A X W: the weight
 gradient is (A X)^T dY).  Not when ``hoist_graph_static`` is disabled: nothing would
-then run once per feed.
+then run once per feed, nor with the pass option ``prefer="memory"``
+(``gcomp compile --prefer memory``): each such wide aggregation is an [N, K] buffer
+kept for the trainer's life (535 MiB for Reddit-size's 602 features).
 
 For ``-t cuda``, a fed aggregation inside a sum also stays wide: GIN's first layer
 ``(A x + (1 + eps) x) W``, whose eps is trained (so the sum is not fed), becomes
@@ -155,7 +157,9 @@ class ReorderLinear(Pass):
     name = "reorder_linear"
 
     def run(self, graph, ctx) -> bool:
-        # fed values cost nothing per step only if hoist_graph_static gives them a phase
-        hoisting = ctx is None or "hoist_graph_static" not in ctx.disabled
+        # fed values cost nothing per step only if hoist_graph_static gives them a phase,
+        # and they cost a wide buffer
+        hoisting = ctx is None or ("hoist_graph_static" not in ctx.disabled
+                                   and ctx.option("prefer") == "speed")
         fed = _fed_values(graph) if hoisting else set()
         return apply_rules(graph, _rules(fed, (ctx is not None and ctx.target == "cuda")))
