@@ -2,11 +2,14 @@
 
 A GPU host often has no TVM compiler (``docs/cuda.md``), so this runs in two halves:
 
-``python -m bench.gpu prepare DIR [--graphs arxiv-synth,reddit-synth] [--precisions fp32,bf16]``
+``python -m bench.gpu prepare DIR [--graphs arxiv-synth,reddit-synth] [--precisions fp32,bf16]
+[--prefer speed|memory]``
     on any machine with nvcc: compile the CUDA artifacts the run needs into DIR
     (3-layer GCN, GraphSAGE, GIN, GAT with 4 heads, hidden 32: inference and training,
     in each precision; a bare sum aggregation, the SpMM, at F = 32 and 128; with bf16,
-    also Cora's 2-layer GCN for the accuracy runs).
+    also Cora's 2-layer GCN for the accuracy runs).  ``--prefer memory`` compiles with
+    that pass option (no wide aggregations of the features kept across training steps);
+    DIR's ``prepared.json`` records it, and the run's results say it.
 
 ``python -m bench.gpu run DIR [--graphs ...] [--peers pyg,pyg-csr,pyg-compile] [--reps 10]
 [--out bench/results/gpu]``
@@ -49,6 +52,9 @@ ACCURACY_EPOCHS = 200  # Cora, GCN 2 x 16, Adam lr 0.01, weight decay 5e-4: the 
                        # bench.cuda_emulated_accuracy, so the GPU's figures meet the emulator's
 
 
+PREPARED = "prepared.json"  # how prepare compiled a directory's artifacts
+
+
 def artifact_path(d: Path, graph: str, what: str, precision: str = "fp32") -> Path:
     suffix = "" if precision == "fp32" else f"-{precision}"
     return Path(d) / f"{graph}-{what}{suffix}.gcomp"
@@ -82,8 +88,11 @@ def prepare(args) -> None:
     from gcomp.codegen.optimizer import OptimizerConfig
     from gcomp.compiler import compile_model
     from gcomp.runtime.synthetic import SIZES
+    from gcomp.passes import PassContext
     out = Path(args.dir)
     out.mkdir(parents=True, exist_ok=True)
+    (out / PREPARED).write_text(json.dumps({"prefer": args.prefer}))
+    ctx = PassContext(target="cuda", options={"prefer": args.prefer})
     for graph in args.graphs:
         _, _, features, classes = SIZES[graph]  # the model needs the sizes, not the graph
         for name in args.models:
@@ -92,7 +101,7 @@ def prepare(args) -> None:
             for prec in args.precisions:
                 compile_model(m, "cuda", precision=prec).save(
                     artifact_path(out, graph, f"{name}-infer", prec))
-                compile_model(m, "cuda", train=True, precision=prec,
+                compile_model(m, "cuda", train=True, precision=prec, ctx=ctx,
                               optimizer=OptimizerConfig(name="adam", lr=0.01)
                               ).save(artifact_path(out, graph, f"{name}-train", prec))
             print(f"prepared {graph} {name} {'/'.join(args.precisions)}", flush=True)
@@ -304,7 +313,9 @@ def run(args, save) -> dict:
     result = {"command": " ".join(sys.argv), "when": datetime.now(timezone.utc).isoformat(),
               "device": torch.cuda.get_device_name(), "versions": versions(tvm_version()),
               "layers": LAYERS, "hidden": HIDDEN, "heads": HEADS, "reps": args.reps,
-              "warmup": args.warmup, "cases": [], "spmm": []}
+              "warmup": args.warmup, "cases": [], "spmm": [],
+              "prefer": json.loads((d / PREPARED).read_text())["prefer"]
+              if (d / PREPARED).exists() else "speed"}
     for graph in args.graphs:
         if not args.no_spmm:
             result["spmm"] += spmm_cases(d, graph, args.reps, args.warmup)
@@ -405,7 +416,9 @@ def markdown(res: dict) -> str:
     lines = [f"# gcomp vs PyG on {res['device']}", "",
              f"`{res['command']}` at {res['when']}; {res['versions']}.  "
              f"{res['layers']} layers, hidden {res['hidden']}, GAT {res['heads']} heads; "
-             f"median of {res['reps']} after {res['warmup']} warm-ups.", ""]
+             f"median of {res['reps']} after {res['warmup']} warm-ups"
+             + (".  gcomp's training steps compiled with `--prefer memory`."
+                if res.get("prefer") == "memory" else "."), ""]
     if res["spmm"]:
         lines += ["| graph | F | gcomp SpMM ms | cuSPARSE ms | ratio | rel err |", "|---|---|---|---|---|---|"]
         for r in res["spmm"]:
@@ -496,6 +509,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-spmm", action="store_true")
     p.add_argument("--no-accuracy", action="store_true",
                    help="skip the Cora accuracy runs (a run of several processes makes them once)")
+    p.add_argument("--prefer", default="speed", choices=["speed", "memory"],
+                   help="prepare: the training steps' pass option (see gcomp compile)")
     p.add_argument("--precisions", default="fp32",
                    help="fp32 and/or bf16: gcomp's builds to prepare and time")
     p.add_argument("--out", default="bench/results/gpu")

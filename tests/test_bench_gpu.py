@@ -29,6 +29,23 @@ def test_prepare_writes_each_precision(tmp_path):
     assert gpu.artifact_path(tmp_path, "any", "spmm32").exists()
 
 
+def test_prepare_with_memory_preferred(tmp_path):
+    """``--prefer memory``: GCN's training step aggregates at the hidden width every step
+    (no wide A X kept from the feed), and the directory and the report say so."""
+    try:
+        cuda_build.find_nvcc()
+    except CompileError as e:
+        pytest.skip(f"prepare compiles CUDA code: {e}")
+    gpu.main(["prepare", str(tmp_path), "--models", "gcn", "--prefer", "memory"])
+    art = artifact.load(gpu.artifact_path(tmp_path, "arxiv-synth", "gcn-train"))
+    assert not art.train_plan.feed_steps
+    assert (tmp_path / gpu.PREPARED).read_text() == '{"prefer": "memory"}'
+    res = {"device": "a GPU", "command": "bench.gpu run", "when": "now", "versions": {},
+           "layers": 3, "hidden": 32, "heads": 4, "reps": 10, "warmup": 3, "spmm": [],
+           "cases": [], "prefer": "memory"}
+    assert "compiled with `--prefer memory`" in gpu.markdown(res)
+
+
 def test_precisions_must_include_fp32(tmp_path):
     with pytest.raises(SystemExit):
         gpu.main(["prepare", str(tmp_path), "--precisions", "bf16"])
