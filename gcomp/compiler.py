@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import dataclasses
-
 from collections import Counter
 
 from gcomp.codegen.build import build_library, device_code_format, make_target

@@ -717,8 +717,9 @@ def _chunk_sums(terms, n, P: int):
     """sum_i terms[j](i) for each j, on the GPU: ``P`` chunk partials (chunk p sums rows
     p, p + P, p + 2P, ..., so neighbouring threads read neighbouring rows), then a
     reduction over the chunks that one block of threads shares.  A fixed order: still
-    deterministic.  (One block of 1,024 threads walking the rows took 0.08 ms of an
-    arxiv-size loss, and as much again for the gradient's mask count, on an H200.)"""
+    deterministic.  (With one block of 1,024 threads walking the rows, the arxiv-size loss
+    and its gradient took 0.079 and 0.058 ms on an H200; 0.067 and 0.051 with the chunks,
+    timed the same way.)"""
     L = (n + P - 1) // P
     k = te.reduce_axis((0, L), name="k")
 
