@@ -92,7 +92,7 @@ def prepare(args) -> None:
     out = Path(args.dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / PREPARED).write_text(json.dumps({"prefer": args.prefer}))
-    ctx = PassContext(target="cuda", options={"prefer": args.prefer})
+    ctx = PassContext(options={"prefer": args.prefer})  # compile_model sets the target
     for graph in args.graphs:
         _, _, features, classes = SIZES[graph]  # the model needs the sizes, not the graph
         for name in args.models:

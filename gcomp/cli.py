@@ -163,6 +163,8 @@ def _pass_flags(p) -> None:
     p.add_argument("--disable-pass", action="append", metavar="PASS", help="skip PASS (repeatable)")
     p.add_argument("--dump-ir", metavar="DIR", help="write numbered IR files after every pass")
     p.add_argument("--timing", action="store_true", help="print a per-pass timing table")
+    # passes.manager.OPTIONS["prefer"], spelled out: `gcomp run` builds this parser in a
+    # runtime-only process, which must not import the compiler's passes
     p.add_argument("--prefer", default="speed", choices=["speed", "memory"],
                    help="memory: no wide buffers of the features' aggregations kept across "
                         "training steps (reorder_linear); aggregate at the narrow width each "

@@ -79,12 +79,17 @@ def _pushable(v, depth: int = 0) -> bool:
     return False
 
 
+def _keep_wide(v, K: int) -> None:
+    """Record for gcomp explain that aggregation ``v`` stays at width ``K``, once per feed."""
+    v.meta.setdefault("reorder", {"width_before": int(K), "width_after": int(K),
+                                  "hoisted": True})
+
+
 def _distribute(graph, v, w, fed: set):
     """``v @ w`` with the product moved inside aggregations, sums and scalar factors, except
     into the aggregations in ``fed`` (they stay wide: once per feed)."""
-    if v in fed:  # stays wide, once per feed: recorded for gcomp explain
-        K = int(w.ty.shape[0])
-        v.meta.setdefault("reorder", {"width_before": K, "width_after": K, "hoisted": True})
+    if v in fed:
+        _keep_wide(v, w.ty.shape[0])
         return _matmul(graph, v, w)
     if _linear_agg(v) and _sole(v):
         g, x = v.inputs[0], v.inputs[1]
@@ -118,9 +123,8 @@ def _rules(fed: set, wide_in_sums: bool):
         if M >= K or not _pushable(v):
             return None
         if v in fed:
-            if _linear_agg(v):  # stays wide, once per feed: recorded for gcomp explain
-                v.meta.setdefault("reorder", {"width_before": int(K), "width_after": int(K),
-                                              "hoisted": True})
+            if _linear_agg(v):
+                _keep_wide(v, K)
             return None
         return _distribute(n.graph, v, w, kept)
 
