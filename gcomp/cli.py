@@ -150,7 +150,7 @@ def _pass_context(args):
         instruments.append(timing)
     ctx = PassContext(target=args.target, instruments=instruments,
                       disabled=frozenset(args.disable_pass or ()),
-                      options={"prefer": args.prefer})
+                      options={"prefer": args.prefer, "deterministic": args.deterministic})
     return ctx, timing
 
 
@@ -168,7 +168,11 @@ def _pass_flags(p) -> None:
     p.add_argument("--prefer", default="speed", choices=["speed", "memory"],
                    help="memory: no wide buffers of the features' aggregations kept across "
                         "training steps (reorder_linear); aggregate at the narrow width each "
-                        "step instead")
+                        "step instead; with -t cuda also the backward aggregations "
+                        "scattered with atomics (no transposed graph on the GPU)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="no atomics: results bit for bit the same run after run (with "
+                        "--prefer memory on cuda, keeps the transposed graph)")
     p.add_argument("--reproducer", metavar="DIR",
                    help="when a pass fails, write its input IR and a replay command here")
 
@@ -412,7 +416,7 @@ def cmd_partition(args) -> int:
 # ---------------------------------------------------------------------- info
 def cmd_info(args) -> int:
     from gcomp.runtime import artifact
-    from gcomp.runtime.memory import plan_memory
+    from gcomp.runtime.memory import graph_array_bytes, hub_partial_bytes, plan_memory
 
     art = artifact.load(args.artifact)
     info = art.info()
@@ -437,8 +441,13 @@ def cmd_info(args) -> int:
                 nnz = int(x.nnz if hasattr(x, "nnz") else (x != 0).sum()) if on else 0
                 sizes[f"NNZ:{v['input']}"] = nnz
             params = sum(v.nbytes for v in art.params.values())
-            mem = plan_memory(plan, sizes).summary()
+            # a GPU's buffers share whole allocations; the CPU's are carved from an arena
+            mem = plan_memory(plan, sizes, carve=art.target["kind"] != "cuda").summary()
             mem["parameters_bytes"] = params
+            mem["graph_arrays"] = graph_array_bytes(plan, structs)
+            mem["graph_arrays_bytes"] = sum(mem["graph_arrays"].values())
+            if art.target["kind"] == "cuda":
+                mem["hub_partials_bytes"] = hub_partial_bytes(plan, structs)
             info["memory"][label] = {"graph": g.name, **mem}
     if args.json:
         print(json.dumps(info, indent=1, sort_keys=True))
@@ -454,6 +463,9 @@ def cmd_info(args) -> int:
           + (" (node-sized activations stored as bfloat16)" if info["precision"] == "bf16"
              else "")
           + ("; products on AMX tiles" if "amx" in info["cpu_features"] else ""))
+    if not info["deterministic"]:
+        print("results    not bit for bit reproducible: backward aggregations add with atomics "
+              "(compiled with --prefer memory; --deterministic avoids them)")
     for io_ in ("inputs", "outputs"):
         for s in info["signature"][io_]:
             print(f"{io_[:-1]:<10} {s['name']}: {s['type']} ({s['role']})")
@@ -472,6 +484,12 @@ def cmd_info(args) -> int:
               f"shared by {mem['buffers']} buffers that would take "
               f"{mem['without_reuse_bytes'] / mb:.1f} without reuse; at most "
               f"{mem['live_peak_bytes'] / mb:.1f} of them live at once)")
+        arrays = sorted(mem["graph_arrays"].items(), key=lambda kv: -kv[1])
+        print(f"           and {mem['graph_arrays_bytes'] / mb:.1f} MiB of graph arrays ("
+              + ", ".join(f"{k} {v / mb:.1f}" for k, v in arrays[:4])
+              + (", ..." if len(arrays) > 4 else "") + ")"
+              + (f" and {mem['hub_partials_bytes'] / mb:.1f} MiB of hub-task partials"
+                 if "hub_partials_bytes" in mem else ""))
     return 0
 
 

@@ -136,7 +136,10 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
     # the passes see the target compiled for (reorder_linear's choices depend on it)
     ctx = PassContext(target=target) if ctx is None else dataclasses.replace(ctx, target=target)
     ir_graph = default_pipeline()(model.graph.copy(), ctx)
-    plan, specs = lower(ir_graph, formats)
+    # memory over reproducibility on a GPU: backward aggregations scatter with atomics
+    scatter = (tgt["kind"] == "cuda" and ctx.option("prefer") == "memory"
+               and not ctx.option("deterministic"))
+    plan, specs = lower(ir_graph, formats, scatter)
     ir = {"source": print_graph(model.graph),
           "optimized": print_graph(ir_graph, show_meta=True)}
     train_plan, opt = None, None
@@ -146,7 +149,7 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
         if "grads" not in tgraph.meta:
             raise CompileError("training needs the add_loss and autodiff passes; do not "
                                "disable them")
-        train_plan, tspecs = lower(tgraph, formats)
+        train_plan, tspecs = lower(tgraph, formats, scatter)
         train_plan.loss = tgraph.outputs[0].name
         train_plan.grads = dict(tgraph.meta["grads"])
         add_optimizer(train_plan, tspecs, opt)

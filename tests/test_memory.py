@@ -85,6 +85,57 @@ def test_info_reports_planned_memory(tmp_path, capsys):
         m = mem[label]
         assert m["graph"] == "cora" and m["total_bytes"] == m["pinned_bytes"] + m["planned_bytes"]
         assert m["total_bytes"] >= 2708 * 1433 * 4  # the features at least
+        # the graph arrays the kernels read, as numpy holds them for Cora's 10,556 edges
+        # plus a self loop per node: CSR, and for the training step's backward the CSC too
+        e = 10556 + 2708
+        arrays = m["graph_arrays"]
+        assert arrays["convs.0.graph.indices"] == 4 * e
+        assert arrays["convs.0.graph.indptr"] == 8 * 2709
+        assert ("convs.0.graph.csc_indices" in arrays) == (label == "training")
+        assert m["graph_arrays_bytes"] == sum(arrays.values())
+
+
+def test_info_counts_no_transposed_graph_for_atomic_scatters(tmp_path, capsys):
+    """CUDA with ``--prefer memory``: the backward aggregations scatter over the forward
+    CSR, so the training plan holds no CSC arrays (``--deterministic`` keeps them), and
+    ``gcomp info`` says the results are not bit for bit reproducible."""
+    import json
+
+    from gcomp.cli import main
+    art = tmp_path / "g.gcomp"
+    arrays = {}
+    for flags in ([], ["--deterministic"]):
+        assert main(["compile", "gcn", "--in", "1433", "--out", "7", "--train", "-t", "cuda",
+                     "--prefer", "memory", "-o", str(art), *flags]) == 0
+        assert main(["info", str(art), "--graph", "cora"]) == 0
+        text = capsys.readouterr().out
+        assert ("not bit for bit reproducible" in text) == (not flags)
+        assert main(["info", str(art), "--graph", "cora", "--json"]) == 0
+        info = json.loads(capsys.readouterr().out)
+        assert info["deterministic"] == bool(flags)
+        arrays[bool(flags)] = info["memory"]["training"]["graph_arrays"]
+    assert not any(".csc_" in k for k in arrays[False])
+    assert arrays[True]["convs.0.graph.csc_indices"] == 4 * (10556 + 2708)
+
+
+def test_info_counts_hub_partials_of_cuda_aggregations(tmp_path, capsys):
+    """The largest hub-task scratch of a CUDA plan's aggregations: Cora's rows longer than
+    128 edges cut into tasks, times the widest aggregation's width (float32).  Trained
+    for speed, GCN aggregates the 1,433 input features once per feed; with memory
+    preferred the widest aggregation is the hidden 16 (the backward's scatters have
+    no partials)."""
+    import json
+
+    from gcomp.cli import main
+    art = tmp_path / "g.gcomp"
+    for prefer, width in (("speed", 1433), ("memory", 16)):
+        assert main(["compile", "gcn", "--in", "1433", "--hidden", "16", "--out", "7", "--train",
+                     "-t", "cuda", "--prefer", prefer, "-o", str(art)]) == 0
+        assert main(["info", str(art), "--graph", "cora", "--json"]) == 0
+        mem = json.loads(capsys.readouterr().out)["memory"]["training"]
+        tasks = mem["graph_arrays"]["convs.0.graph.hub_tasks"] // (3 * 8)
+        assert tasks >= 2  # Cora's largest rows (169 edges with the self loop) are split
+        assert mem["hub_partials_bytes"] == tasks * width * 4
 
 
 def test_features_only_the_feed_reads_share_storage_with_the_run():

@@ -682,6 +682,9 @@ def test_compile_model_runs_the_passes_for_the_target_it_compiles_for():
 def test_pass_context_refuses_unknown_options():
     with pytest.raises(GcompError, match="unknown pass option 'prefr'"):
         PassContext(options={"prefr": "memory"})
-    with pytest.raises(GcompError, match="takes speed or memory, not 'small'"):
+    with pytest.raises(GcompError, match="takes 'speed' or 'memory', not 'small'"):
         PassContext(options={"prefer": "small"})
+    with pytest.raises(GcompError, match="'deterministic' takes False or True, not 'yes'"):
+        PassContext(options={"deterministic": "yes"})
     assert PassContext().option("prefer") == "speed"
+    assert PassContext().option("deterministic") is False

@@ -1,10 +1,10 @@
 """Hub-row splitting for the GPU's aggregations (a plan rewrite for ``-t cuda``).
 
 Expects: plans from ``lower`` and their kernel specs.
-Guarantees: every ``csr_agg`` step over a graph value (not over sparse node features) and
-every step of GAT's fused attention (``attention_agg``, ``attention_grad_dst``,
-``attention_grad_src``) calls the split form of its kernel (``split=True``, in
-``aggregate_kernel``) with the graph's ``hub_tasks`` and ``hub_rows`` arrays (``csc_``
+Guarantees: every ``csr_agg`` or ``csr_scatter`` step over a graph value (not over sparse
+node features) and every step of GAT's fused attention (``attention_agg``,
+``attention_grad_dst``, ``attention_grad_src``) calls the split form of its kernel
+(``split=True``, in ``aggregate_kernel`` and ``scatter_kernel``) with the graph's ``hub_tasks`` and ``hub_rows`` arrays (``csc_``
 ones for a kernel over out-edges) inserted before its output, so the output stays the
 last argument and the positions of its other arguments (``in_place``) do not move.
 
@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from gcomp.codegen.kernels import KernelSpec
 
-SPLIT_KINDS = ("csr_agg", "attention_agg", "attention_grad_dst", "attention_grad_src")
+SPLIT_KINDS = ("csr_agg", "csr_scatter", "attention_agg", "attention_grad_dst",
+               "attention_grad_src")
 
 
 def split_hub_rows(plans, specs: dict) -> None:

@@ -76,7 +76,7 @@ def _definer_of(kind: str, target: str | None):
     register theirs when imported; they import this module, so they are imported here on
     first use rather than at its top (any of them may then be imported first)."""
     from gcomp.codegen import (aggregate_kernel, cpu_kernels, dense_kernels,  # noqa: F401
-                               format_kernels, sparse_kernels)
+                               format_kernels, scatter_kernel, sparse_kernels)
     return _DEFINERS.get((kind, target))
 
 

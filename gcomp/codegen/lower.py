@@ -12,6 +12,7 @@ from __future__ import annotations
 from math import prod
 
 from gcomp.codegen.kernels import KernelSpec
+from gcomp.codegen.scatter_kernel import additive
 from gcomp.errors import CompileError
 from gcomp.ir.graph import Graph, Node
 from gcomp.ir.ops import OpGroup, Op
@@ -86,11 +87,12 @@ def _node_inputs_of(v: Node) -> list[str]:
 
 
 class _Lowering:
-    def __init__(self, graph: Graph, formats: tuple = ()):
+    def __init__(self, graph: Graph, formats: tuple = (), scatter: bool = False):
         self.graph = graph
         self.plan = Plan()
         self.specs: dict[str, KernelSpec] = {}
         self.formats = tuple(formats)
+        self.scatter = scatter
 
     # -------------------------------------------------------------- helpers
     def buffer(self, n: Node, dims=None, alias: str | None = None, name: str | None = None) -> str:
@@ -504,6 +506,10 @@ class _Lowering:
             return spec, [self.garr(g, "indptr"), self.garr(g, "indices")] + wview + tail, wview
         if reduce != "sum":  # over out-edges: the CSC arrays
             raise CompileError(f"%{n.name}: only sum aggregates over out-edges")
+        if self.scatter and additive(fused.get("epilogue", ())):
+            # the forward CSR's edges scattered, weights as stored
+            spec = KernelSpec.make("csr_scatter", H=H, C=C, weight=weight, **fused)
+            return spec, [self.garr(g, "indptr"), self.garr(g, "indices")] + wview + tail, wview
         head = [self.garr(g, "csc_indptr"), self.garr(g, "csc_indices")]
         if w is None:
             spec = KernelSpec.make("csr_agg", reduce="sum", H=H, C=C, weight="none", **fused)
@@ -791,6 +797,10 @@ class _Lowering:
         self.buffer(n, alias=root)
 
 
-def lower(graph: Graph, formats: tuple = ()) -> tuple[Plan, dict[str, KernelSpec]]:
-    """``formats``: the adjacency formats besides CSR the target has kernels for."""
-    return _Lowering(graph, formats).run()
+def lower(graph: Graph, formats: tuple = (), scatter: bool = False
+          ) -> tuple[Plan, dict[str, KernelSpec]]:
+    """``formats``: the adjacency formats besides CSR the target has kernels for.
+    ``scatter`` (CUDA only: atomics): aggregations over out-edges whose epilogue only adds
+    scatter over the forward CSR (``csr_scatter``) instead of gathering over the CSC
+    arrays, so the transposed graph is never built."""
+    return _Lowering(graph, formats, scatter).run()

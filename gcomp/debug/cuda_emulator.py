@@ -49,6 +49,7 @@ TARGET = {"kind": "cuda", "arch": "sm_90"}
 
 EMULATION_HEADER = r"""
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -110,6 +111,12 @@ static inline ushort4 make_ushort4(unsigned short x, unsigned short y, unsigned 
                                    unsigned short w) { return {x, y, z, w}; }
 
 static inline void __syncthreads() { emu_block_barrier->arrive_and_wait(); }
+
+/* atomics (the scatter over out-edges, ``csr_scatter``): a block's threads are host
+   threads running at once, so the add is a real atomic one; TVM calls it through a
+   helper defined in the prelude this header replaces */
+static inline float atomicAdd(float* a, float v) { return std::atomic_ref<float>(*a).fetch_add(v); }
+template <class T> static inline T tvm_builtin_cuda_atomic_add(T* a, T v) { return atomicAdd(a, v); }
 
 static inline unsigned int __activemask() {
   int w = emu_tid / 32, n = (int)(blockDim.x * blockDim.y * blockDim.z) - 32 * w;

@@ -54,6 +54,11 @@ OPTIONS = {
     # fed values (the input features) wide, once per feed; "memory" aggregates them at the
     # narrow width every step and keeps no such buffer
     "prefer": ("speed", "memory"),
+    # True: no kernel may make its result depend on the GPU's order of atomic adds; False
+    # lets "prefer": "memory" on CUDA scatter the backward aggregations with atomics
+    # (no transposed graph on the device; codegen/lower.py), which is not bit for bit
+    # reproducible
+    "deterministic": (False, True),
 }
 
 
@@ -71,10 +76,10 @@ class PassContext:
                 raise GcompError(f"unknown pass option {key!r}; options: "
                                  f"{', '.join(sorted(OPTIONS))}")
             if value not in OPTIONS[key]:
-                raise GcompError(f"pass option {key!r} takes {' or '.join(OPTIONS[key])}, "
-                                 f"not {value!r}")
+                raise GcompError(f"pass option {key!r} takes "
+                                 f"{' or '.join(map(repr, OPTIONS[key]))}, not {value!r}")
 
-    def option(self, key: str) -> str:
+    def option(self, key: str):
         return self.options.get(key, OPTIONS[key][0])
 
 

@@ -90,6 +90,8 @@ class Artifact:
             "optimizer": m.get("optimizer"),
             "precision": m.get("precision", "fp32"),
             "cpu_features": m.get("cpu_features", []),
+            # the scatter kernels add with atomics, in the GPU's order
+            "deterministic": not any(k.startswith("gc_csr_scatter_") for k in self.kernels()),
             "kernels": self.kernels(),
             "num_kernels": len(self.kernels()),
             "ops": m.get("ops", {}),

@@ -194,3 +194,29 @@ def _share_allocations(roots, first, last, size, steps):
             slots[r] = s
         free.extend(slots[r] for r in release_at.get(k, ()))
     return slots, slot_bytes, [(s, 0) for s in range(len(slot_bytes))], list(slot_bytes)
+
+
+def graph_array_bytes(plan: Plan, structures: dict) -> dict[str, int]:
+    """Bytes of each graph array the plan's kernels read (``"<graph>.<array>"``), as the
+    bound graphs ``structures`` (graph name -> ``GraphStructure``) hold them: stored
+    beside the buffers, once per bound graph (on a GPU, on the device)."""
+    used = {(a["graph"], a["array"]) for s in plan.bind_steps + plan.feed_steps + plan.steps
+            for a in s["args"] if "graph" in a}
+    return {f"{g}.{a}": int(structures[g].array(a).nbytes) for g, a in sorted(used)}
+
+
+def hub_partial_bytes(plan: Plan, structures: dict) -> int:
+    """The largest scratch of hub-task partial rows an aggregation step asks for on a GPU
+    (``csr_agg``'s split form: tasks x the output's width, float32; TVM's workspace pool
+    keeps the largest request), 0 for a plan with none.  GAT's attention kernels keep
+    partials of another shape and are not counted."""
+    largest = 0
+    for s in plan.bind_steps + plan.feed_steps + plan.steps:
+        tasks = [a for a in s["args"] if a.get("array", "").endswith("hub_tasks")]
+        if tasks and s["kernel"].startswith("gc_csr_agg_"):
+            t = structures[tasks[0]["graph"]].array(tasks[0]["array"]).shape[0]
+            dims = plan.buffers[_root(plan, s["args"][-1]["buf"])]["dims"]
+            width = prod(d for d in dims[1:] if isinstance(d, int))
+            largest = max(largest, t * width * 4)
+    return largest
+

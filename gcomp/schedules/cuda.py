@@ -21,8 +21,12 @@ Thread layouts used here:
   blocks of ``THREADS`` threads.
 * **chunked sums to scalars** (``_chunk_sums``): the losses' sums over the symbolic
   row axis run a thread per chunk of rows, then one block of ``SCALAR_THREADS``
-  threads adds the chunks' partials by TVM's warp-shuffle tree.  No atomics anywhere:
-  every kernel is deterministic (the same inputs give the same bits).
+  threads adds the chunks' partials by TVM's warp-shuffle tree.  Deterministic: the
+  same inputs give the same bits, as every kernel here but one does.
+* **scatter** (``_scatter``): the backward aggregations of ``--prefer memory``
+  (``csr_scatter``) add each edge's term into its source's row with atomics, in the
+  GPU's order: the one layout that is not bit for bit reproducible
+  (``--deterministic`` keeps the gathers over the transposed graph).
 * reductions over rows into a small static output (``matmul_tn``, ``colsum``) use
   the chunked definitions (partial sums per chunk of rows, then their sum) with
   more chunks on the GPU (``DEFINITION_PARAMS``).
@@ -213,6 +217,15 @@ def _agg_rows(sch, spec) -> None:
 
 
 AGG_STRATEGIES = {"rows": _agg_rows}
+
+
+def _scatter(sch) -> None:
+    """The scatter over out-edges (``csr_scatter``): the output initialized flat, then
+    the tasks and the rows in the rows x lanes layout, each thread adding its feature of
+    every edge straight into global memory (atomics; no register to keep)."""
+    _bind_flat(sch, sch.get_sblock("init"))
+    _bind_rows(sch, sch.get_sblock("task"))
+    _bind_rows(sch, sch.get_sblock("row"))
 
 
 def agg_strategy(spec) -> str:
@@ -459,6 +472,8 @@ def schedule(sch, spec) -> None:
     kind = spec.kind
     if kind == "csr_agg":
         AGG_STRATEGIES[agg_strategy(spec)](sch, spec)
+    elif kind == "csr_scatter":
+        _scatter(sch)
     elif kind in ("csr_segment", "csr_segment_indirect", "aggregate_max_grad"):
         _rows_accumulate(sch, "row")
     elif kind == "argmax_rows":

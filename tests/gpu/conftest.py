@@ -78,10 +78,10 @@ def artifact_name(nodeid: str, target: str) -> str:
 
 @pytest.fixture
 def build(request):
-    """``build(model, *targets, train=False, precision="fp32")``: one artifact per target,
-    compiled here, or (prepare mode) compiled, saved and the test skipped, or (prepared
-    mode) loaded."""
-    def _build(model, *targets, train=False, precision="fp32"):
+    """``build(model, *targets, train=False, precision="fp32", options=None)``: one
+    artifact per target (``options``: the pass context's), compiled here, or (prepare
+    mode) compiled, saved and the test skipped, or (prepared mode) loaded."""
+    def _build(model, *targets, train=False, precision="fp32", options=None):
         names = [artifact_name(request.node.nodeid, t) for t in targets]
         if PREPARED:
             from gcomp.runtime.artifact import load
@@ -92,8 +92,10 @@ def build(request):
                     assert np.array_equal(art.params[k], np.asarray(v, np.float32)), k
             return arts
         from gcomp.compiler import compile_model
+        from gcomp.passes import PassContext
         arts = [compile_model(model, t, train=train, precision=precision,
-                              mcpu=PORTABLE_MCPU if (PREPARE and t == "llvm") else None)
+                              mcpu=PORTABLE_MCPU if (PREPARE and t == "llvm") else None,
+                              ctx=PassContext(options=options or {}))
                 for t in targets]
         if PREPARE:
             for art, n in zip(arts, names):
