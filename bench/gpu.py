@@ -6,8 +6,9 @@ A GPU host often has no TVM compiler (``docs/cuda.md``), so this runs in two hal
 [--prefer speed|memory]``
     on any machine with nvcc: compile the CUDA artifacts the run needs into DIR
     (3-layer GCN, GraphSAGE, GIN, GAT with 4 heads, hidden 32: inference and training,
-    in each precision; a bare sum aggregation, the SpMM, at F = 32 and 128; with bf16,
-    also Cora's 2-layer GCN for the accuracy runs).  ``--prefer memory`` compiles with
+    in each precision; a bare sum aggregation, the SpMM, at F = 32 and 128, and at F = 32
+    also with four rows a warp (``GCOMP_CUDA_AGG_MIN_LANES=8``, timed beside the default);
+    with bf16, also Cora's 2-layer GCN for the accuracy runs).  ``--prefer memory`` compiles with
     that pass option (no wide aggregations of the features kept across training steps);
     DIR's ``prepared.json`` records it, and the run's results say it.
 
@@ -36,10 +37,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 import traceback
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -48,6 +51,7 @@ import numpy as np
 MODELS = ("gcn", "sage", "gin", "gat")
 LAYERS, HIDDEN, HEADS = 3, 32, 4
 SPMM_WIDTHS = (32, 128)
+SPMM_VARIANT = "lanes8"  # the SpMM with four 32-feature rows a warp (schedules/cuda.py)
 ACCURACY_EPOCHS = 200  # Cora, GCN 2 x 16, Adam lr 0.01, weight decay 5e-4: the runs of
                        # bench.cuda_emulated_accuracy, so the GPU's figures meet the emulator's
 
@@ -87,8 +91,9 @@ def prepare(args) -> None:
     import gcomp.models
     from gcomp.codegen.optimizer import OptimizerConfig
     from gcomp.compiler import compile_model
-    from gcomp.runtime.synthetic import SIZES
     from gcomp.passes import PassContext
+    from gcomp.runtime.synthetic import SIZES
+    from gcomp.schedules.cuda import AGG_MIN_LANES_ENV, AGG_VECTOR
     out = Path(args.dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / PREPARED).write_text(json.dumps({"prefer": args.prefer}))
@@ -107,6 +112,10 @@ def prepare(args) -> None:
             print(f"prepared {graph} {name} {'/'.join(args.precisions)}", flush=True)
     for width in SPMM_WIDTHS:
         compile_model(spmm_model(width), "cuda").save(artifact_path(out, "any", f"spmm{width}"))
+        if width // AGG_VECTOR < 32:  # the layout the knob changes, for the run to compare
+            with _environ(AGG_MIN_LANES_ENV, str(width // AGG_VECTOR)):
+                compile_model(spmm_model(width), "cuda").save(
+                    artifact_path(out, "any", f"spmm{width}-{SPMM_VARIANT}"))
     print(f"prepared spmm {SPMM_WIDTHS}", flush=True)
     if len(args.precisions) > 1:
         m, opt = accuracy_model()
@@ -114,6 +123,19 @@ def prepare(args) -> None:
             compile_model(m, "cuda", train=True, precision=prec, optimizer=opt).save(
                 artifact_path(out, "cora", "gcn-accuracy", prec))
         print("prepared cora gcn-accuracy", flush=True)
+
+
+@contextmanager
+def _environ(key: str, value: str):
+    old = os.environ.get(key)
+    os.environ[key] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[key]
+        else:
+            os.environ[key] = old
 
 
 # ---------------------------------------------------------------------------- timing
@@ -258,29 +280,39 @@ def spmm_cases(d: Path, graph: str, reps: int, warmup: int) -> list[dict]:
     rows = []
     for width in SPMM_WIDTHS:
         x = np.random.default_rng(0).standard_normal((g.num_nodes, width)).astype(np.float32)
-        ex = load_artifact(artifact_path(d, "any", f"spmm{width}")).executor()
-        b = ex.feed(ex.bind(g), {"x": x})
-        ex.execute(b)
-
-        def aggregate():  # the sum over x, an input, runs when x is fed: its feed steps
-            for _, fn, fargs in b.feed_steps:
-                fn(*fargs)
-            ex.execute(b)
-
-        ours = summary(timed(aggregate, ex.sync, reps, warmup))
-        ours["kernels"] = [s["kernel"] for s, _, _ in b.feed_steps] + [
-            s["kernel"] for s in b.plan_steps]
-        out = ex.outputs(b)[0]
         xt = torch.from_numpy(x).cuda()
         ref = torch.sparse.mm(adj, xt)
         theirs = summary(timed(lambda: torch.sparse.mm(adj, xt), torch.cuda.synchronize,
                                reps, warmup))
-        rows.append({"graph": graph, "width": width, "gcomp": ours, "cusparse": theirs,
-                     "rel_err": rel_err(out, ref.cpu().numpy())})
+        row = {"graph": graph, "width": width, "cusparse": theirs}
+        for what, key in ((f"spmm{width}", "gcomp"), (f"spmm{width}-{SPMM_VARIANT}", SPMM_VARIANT)):
+            path = artifact_path(d, "any", what)
+            if key == SPMM_VARIANT and not path.exists():  # prepared before the variant
+                continue
+            ours, out = _spmm_timed(load_artifact(path), g, x, reps, warmup)
+            row[key] = {**ours, "rel_err": rel_err(out, ref.cpu().numpy())}
+        row["rel_err"] = row["gcomp"].pop("rel_err")
+        rows.append(row)
         print(json.dumps(rows[-1]), flush=True)
-        del ex, b, xt, ref
+        del xt, ref
         torch.cuda.empty_cache()
     return rows
+
+
+def _spmm_timed(art, g, x, reps: int, warmup: int) -> tuple[dict, np.ndarray]:
+    ex = art.executor()
+    b = ex.feed(ex.bind(g), {"x": x})
+    ex.execute(b)
+
+    def aggregate():  # the sum over x, an input, runs when x is fed: its feed steps
+        for _, fn, fargs in b.feed_steps:
+            fn(*fargs)
+        ex.execute(b)
+
+    ours = summary(timed(aggregate, ex.sync, reps, warmup))
+    ours["kernels"] = [s["kernel"] for s, _, _ in b.feed_steps] + [
+        s["kernel"] for s in b.plan_steps]
+    return ours, ex.outputs(b)[0]
 
 
 def accuracy_cases(d: Path, precisions: list[str]) -> list[dict]:
@@ -420,12 +452,16 @@ def markdown(res: dict) -> str:
              + (".  gcomp's training steps compiled with `--prefer memory`."
                 if res.get("prefer") == "memory" else "."), ""]
     if res["spmm"]:
-        lines += ["| graph | F | gcomp SpMM ms | cuSPARSE ms | ratio | rel err |", "|---|---|---|---|---|---|"]
+        lines += ["| graph | F | gcomp SpMM ms | cuSPARSE ms | ratio | rel err | four rows a "
+                  "warp (GCOMP_CUDA_AGG_MIN_LANES=8) ms |", "|---|---|---|---|---|---|---|"]
         for r in res["spmm"]:
+            v = r.get(SPMM_VARIANT)
             lines.append(f"| {r['graph']} | {r['width']} | {r['gcomp']['median_ms']:.3f} | "
                          f"{r['cusparse']['median_ms']:.3f} | "
                          f"{r['cusparse']['median_ms'] / r['gcomp']['median_ms']:.2f}x | "
-                         f"{r['rel_err']:.1e} |")
+                         f"{r['rel_err']:.1e} | "
+                         + (f"{v['median_ms']:.3f} (rel err {v['rel_err']:.1e})" if v else "-")
+                         + " |")
         lines.append("")
     peers = [p for p in ("pyg", "pyg-csr", "pyg-compile") if any(p in c for c in res["cases"])]
     bf16 = any("gcomp-bf16" in c for c in res["cases"])

@@ -27,6 +27,28 @@ def test_prepare_writes_each_precision(tmp_path):
         acc = artifact.load(gpu.artifact_path(tmp_path, "cora", "gcn-accuracy", prec))
         assert acc.train_plan is not None
     assert gpu.artifact_path(tmp_path, "any", "spmm32").exists()
+    # at F = 32 also four rows a warp (float4 lanes), which the run times beside it; the
+    # knob is set for that compile only
+    import os
+
+    from gcomp.schedules.cuda import AGG_MIN_LANES_ENV
+    assert AGG_MIN_LANES_ENV not in os.environ
+    lanes8 = artifact.load(gpu.artifact_path(tmp_path, "any", f"spmm32-{gpu.SPMM_VARIANT}"))
+    plain = artifact.load(gpu.artifact_path(tmp_path, "any", "spmm32"))
+    assert lanes8.lib_bytes != plain.lib_bytes
+    assert not gpu.artifact_path(tmp_path, "any", f"spmm128-{gpu.SPMM_VARIANT}").exists()
+
+
+def test_report_of_the_spmm_with_and_without_its_variant():
+    row = {"graph": "arxiv-synth", "width": 32, "gcomp": {"median_ms": 0.135},
+           "cusparse": {"median_ms": 0.144}, "rel_err": 1e-7}
+    res = {"device": "a GPU", "command": "bench.gpu run", "when": "now", "versions": {},
+           "layers": 3, "hidden": 32, "heads": 4, "reps": 10, "warmup": 3, "cases": [],
+           "spmm": [row, {**row, "width": 128, gpu.SPMM_VARIANT: {"median_ms": 0.09,
+                                                                  "rel_err": 2e-7}}]}
+    md = gpu.markdown(res)
+    assert "| arxiv-synth | 32 | 0.135 | 0.144 | 1.07x | 1.0e-07 | - |" in md
+    assert "| 0.090 (rel err 2.0e-07) |" in md
 
 
 def test_prepare_with_memory_preferred(tmp_path):

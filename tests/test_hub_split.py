@@ -138,6 +138,20 @@ def test_scheduled_split_kernel_matches_scipy(reduce, weight, indirect, F):
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("reduce,weight,indirect", SPLIT_CASES)
+def test_four_rows_a_warp_match_scipy(reduce, weight, indirect, monkeypatch):
+    """``GCOMP_CUDA_AGG_MIN_LANES=8``: 32-feature rows get 8 lanes of float4, four rows a
+    warp, rows of unequal lengths side by side (bench.gpu times it against the default)."""
+    from gcomp.schedules.cuda import AGG_MIN_LANES_ENV, agg_vector
+    spec = KernelSpec.make("csr_agg", reduce=reduce, H=1, C=32, weight=weight,
+                           indirect=indirect, split=True)
+    assert agg_vector(spec) == 1
+    monkeypatch.setenv(AGG_MIN_LANES_ENV, "8")
+    assert agg_vector(spec) == 4
+    out, ref = _run_split_agg(reduce, weight, indirect, F=32, emulated=True)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_cuda_plans_call_the_split_kernel():
     import gcomp.models as models
     from gcomp.codegen.hub_split import split_hub_rows

@@ -54,6 +54,8 @@ one thread).
 
 from __future__ import annotations
 
+import os
+
 THREADS = 256  # threads per block
 
 # Extra definer parameters for the CUDA variant of some kernel kinds (their CPU defaults
@@ -184,6 +186,11 @@ def _rows_accumulate(sch, block: str, out: str = "out") -> None:
 
 
 AGG_VECTOR = 4  # features per lane of wide float32 aggregations: one float4 load per edge
+# fewest float4 lanes a row may get: 32 (a warp per row) unless $GCOMP_CUDA_AGG_MIN_LANES
+# says otherwise.  8 lanes would put four 32-feature rows in a warp, four times the gathers
+# in flight per warp, against lanes idling past the shortest of its rows; not yet timed,
+# so a knob that bench.gpu's SpMM runs both ways (``spmm32-lanes8``)
+AGG_MIN_LANES_ENV = "GCOMP_CUDA_AGG_MIN_LANES"
 
 
 def agg_vector(spec) -> int:
@@ -195,7 +202,9 @@ def agg_vector(spec) -> int:
     (TVM 0.27 miscompiles a variable bound to a widened bfloat16 load)."""
     p = spec.p
     lanes = p["H"] * p["C"] // AGG_VECTOR
-    wide = p.get("split") and not p.get("bf16") and p["C"] % AGG_VECTOR == 0 and lanes >= 32
+    fewest = int(os.environ.get(AGG_MIN_LANES_ENV, "32"))
+    wide = (p.get("split") and not p.get("bf16") and p["C"] % AGG_VECTOR == 0
+            and lanes >= fewest)
     return AGG_VECTOR if wide and lanes_for(lanes) == lanes else 1
 
 
