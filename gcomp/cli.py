@@ -163,6 +163,13 @@ def _pass_flags(p) -> None:
     p.add_argument("--disable-pass", action="append", metavar="PASS", help="skip PASS (repeatable)")
     p.add_argument("--dump-ir", metavar="DIR", help="write numbered IR files after every pass")
     p.add_argument("--timing", action="store_true", help="print a per-pass timing table")
+    _option_flags(p)
+    p.add_argument("--reproducer", metavar="DIR",
+                   help="when a pass fails, write its input IR and a replay command here")
+
+
+def _option_flags(p) -> None:
+    """The pass context's options (``passes.manager.OPTIONS``)."""
     # passes.manager.OPTIONS["prefer"], spelled out: `gcomp run` builds this parser in a
     # runtime-only process, which must not import the compiler's passes
     p.add_argument("--prefer", default="speed", choices=["speed", "memory"],
@@ -173,8 +180,6 @@ def _pass_flags(p) -> None:
     p.add_argument("--deterministic", action="store_true",
                    help="no atomics: results bit for bit the same run after run (with "
                         "--prefer memory on cuda, keeps the transposed graph)")
-    p.add_argument("--reproducer", metavar="DIR",
-                   help="when a pass fails, write its input IR and a replay command here")
 
 
 # ---------------------------------------------------------------------- explain
@@ -186,8 +191,10 @@ def cmd_explain(args) -> int:
     if args.graph:
         from gcomp.runtime.data import load_graph
         graph_data = load_graph(args.graph)
+    from gcomp.passes import PassContext
     model = _model_from_args(args)
-    art = compile_model(model, args.target, train=args.train,
+    ctx = PassContext(options={"prefer": args.prefer, "deterministic": args.deterministic})
+    art = compile_model(model, args.target, train=args.train, ctx=ctx,
                         optimizer=_optimizer_from_args(args) if args.train else None,
                         precision=args.precision)
     g = art.graphs["training"] if args.train else art.graphs["inference"]
@@ -564,6 +571,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--graph", default=None, help="also show the decisions for this graph")
     e.add_argument("--train", action="store_true", help="explain the training step")
     _precision_flag(e)
+    _option_flags(e)
     e.add_argument("--json", action="store_true")
     _model_flags(e)
     _role_flags(e)

@@ -178,6 +178,23 @@ def test_explain_reports_decisions_with_numbers(capsys):
     assert "computed once per bound graph (hoisted): self_loops" in capsys.readouterr().out
 
 
+def test_explain_says_how_out_edges_are_aggregated(capsys):
+    """A 3-layer GCN's training step aggregates over out-edges three times (each layer's
+    backward): gathers over the CSC arrays, or on CUDA with memory preferred scatters with
+    atomics, and then the graph needs no CSC (unless ``--deterministic``)."""
+    import json
+    base = ["explain", "gcn", "--in", "8", "--out", "3", "--layers", "3", "--train", "--json"]
+    for flags, how in (([], "gather"), (["-t", "cuda", "--prefer", "memory"], "scatter"),
+                       (["-t", "cuda", "--prefer", "memory", "--deterministic"], "gather")):
+        assert main(base + flags) == 0
+        r = json.loads(capsys.readouterr().out)
+        assert r["out_edges"]["training"] == {"gather": 0, "scatter": 0, how: 3}, flags
+        assert r["csc"] == (how == "gather")
+        assert "inference" not in r["out_edges"]
+    assert main(base[:-1] + ["-t", "cuda", "--prefer", "memory"]) == 0
+    assert "3 scatters over the forward CSR with atomic adds" in capsys.readouterr().out
+
+
 def test_explain_names_the_fused_attention_backward(capsys):
     import json
     assert main(["explain", "gat", "--layers", "2", "--train", "--json"]) == 0

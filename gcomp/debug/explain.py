@@ -81,6 +81,19 @@ def explain(graph: Graph, plans: dict, graph_data=None) -> dict:
                     if s["op"] in ("attention_grad_dst", "attention_grad_src")]
         if backward:
             report["attention_backward"] = backward
+        over_out = {"scatter": 0, "gather": 0}  # aggregations over out-edges
+        for s in plan.bind_steps + plan.feed_steps + plan.steps:
+            head = s["args"][0] if s["args"] else {}
+            if s["kernel"].startswith("gc_csr_scatter_"):
+                over_out["scatter"] += 1
+            elif s["kernel"].startswith("gc_csr_agg_") and head.get("graph") and \
+                    head["array"] == "csc_indptr":
+                over_out["gather"] += 1
+        if any(over_out.values()):
+            report.setdefault("out_edges", {})[label] = over_out
+        report["csc"] = report.get("csc", False) or any(
+            a.get("array", "").startswith("csc_") for s in plan.bind_steps + plan.feed_steps
+            + plan.steps for a in s["args"] if "graph" in a)
         for key, v in plan.variants.items():
             entry = {"plan": label, "variant": key, "threshold": v.get("threshold"),
                      "calibration": v.get("calibration", [])}
@@ -151,6 +164,13 @@ def render(report: dict) -> str:
                      f"{': ' + format(r['edge_work_after'], ',') + ' edge-features' if extra else ''}")
         lines.append(f"  {r['aggregate']}: width {r['width_before']} -> {r['width_after']}"
                      f" (x{r['work_ratio']:.2f}){extra}")
+    for label, o in report.get("out_edges", {}).items():
+        lines.append(f"aggregations over out-edges ({label}): "
+                     + "; ".join(what for what, k in (
+                         (f"{o['gather']} gathers over the transposed graph (CSC; deterministic)",
+                          o["gather"]),
+                         (f"{o['scatter']} scatters over the forward CSR with atomic adds (no "
+                          "transposed graph; not bit for bit reproducible)", o["scatter"])) if k))
     lines.append("computed once per bound graph (hoisted): " +
                  (", ".join(report["hoisted"]) or "none"))
     if report["per_feed"]:
@@ -203,6 +223,7 @@ def render(report: dict) -> str:
         lines.append(f"graph {g['name']}: {g['nodes']:,} nodes, {g['edges']:,} edges, in-degree "
                      f"mean {d['mean']:.2f} max {d['max']} p99 {d['p99']:.0f}, {d['isolated']} "
                      f"isolated, {g['self_loops']} self loops, density {g['density']:.2e}; "
-                     f"CSR by destination (+ CSC for backward passes)")
+                     "CSR by destination"
+                     + (" (+ CSC for backward passes)" if report.get("csc") else ""))
     return "\n".join(lines)
 
