@@ -261,6 +261,29 @@ def test_loss_and_its_gradient_against_numpy(C, n):
     np.testing.assert_allclose(dz, ref_dz, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.parametrize("K,M,n", [(128, 32, 1000), (32, 40, 77), (602, 41, 50), (3, 7, 5),
+                                   (1433, 16, 40), (64, 384, 130)])
+def test_products_against_numpy(K, M, n):
+    """The GPU product as scheduled: x's tiles staged transposed (padded rows, runs of 8
+    floats per thread group), each thread's rows and neighbouring columns read as
+    vectors; rows past n and padded columns never stored; with the bias and relu
+    epilogue; against numpy in float64."""
+    from gcomp.codegen.kernels import KernelSpec
+    from gcomp.debug.cuda_emulator import EmulatedLibrary
+    rng = np.random.default_rng(K + M + n)
+    x = rng.standard_normal((n, K)).astype(np.float32)
+    w = rng.standard_normal((K, M)).astype(np.float32)
+    bias = rng.standard_normal(M).astype(np.float32)
+    lib = EmulatedLibrary({"mm": KernelSpec.make("matmul", K=K, M=M),
+                           "epi": KernelSpec.make("matmul", K=K, M=M, extras=("vec",), epilogue=(
+                               ("bias_add", (), 0, False), ("relu", (), None, False)))})
+    ref = x.astype(np.float64) @ w
+    for name, extra, expect in (("mm", [], ref), ("epi", [bias], np.maximum(ref + bias, 0))):
+        out = np.full((n, M), np.nan, np.float32)
+        lib[name](x, w, *extra, out)
+        np.testing.assert_allclose(out, expect, rtol=1e-5, atol=1e-4 * np.sqrt(K))
+
+
 @pytest.mark.parametrize("K,M,n", [(40, 40, 3000), (3, 8, 5), (602, 128, 40)])
 def test_weight_gradients_against_numpy(K, M, n):
     """The GPU weight gradient x^T y (chunk partials, then a warp per result element adding
