@@ -3,14 +3,16 @@
 A GPU host often has no TVM compiler (``docs/cuda.md``), so this runs in two halves:
 
 ``python -m bench.gpu prepare DIR [--graphs arxiv-synth,reddit-synth] [--precisions fp32,bf16]
-[--prefer speed|memory]``
+[--prefer speed|memory] [--knob GCOMP_CUDA_...=VALUE ...]``
     on any machine with nvcc: compile the CUDA artifacts the run needs into DIR
     (3-layer GCN, GraphSAGE, GIN, GAT with 4 heads, hidden 32: inference and training,
     in each precision; a bare sum aggregation, the SpMM, at F = 32 and 128, and at F = 32
     also with four rows a warp (``GCOMP_CUDA_AGG_MIN_LANES=8``, timed beside the default);
     with bf16, also Cora's 2-layer GCN for the accuracy runs).  ``--prefer memory`` compiles with
     that pass option (no wide aggregations of the features kept across training steps);
-    DIR's ``prepared.json`` records it, and the run's results say it.
+    DIR's ``prepared.json`` records it, and the run's results say it.  ``--knob`` sets a
+    schedule tuning knob (``KNOBS``) while compiling, recorded the same way: prepare one
+    directory per setting and run each with ``--profile`` to compare kernel times.
 
 ``python -m bench.gpu run DIR [--graphs ...] [--peers pyg,pyg-csr,pyg-compile] [--reps 10]
 [--out bench/results/gpu]``
@@ -42,7 +44,7 @@ import statistics
 import sys
 import time
 import traceback
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -52,6 +54,8 @@ MODELS = ("gcn", "sage", "gin", "gat")
 LAYERS, HIDDEN, HEADS = 3, 32, 4
 SPMM_WIDTHS = (32, 128)
 SPMM_VARIANT = "lanes8"  # the SpMM with four 32-feature rows a warp (schedules/cuda.py)
+# the CUDA schedules' tuning knobs, read while compiling (docs/cuda.md, Tuning knobs)
+KNOBS = ("GCOMP_CUDA_AGG_MIN_LANES", "GCOMP_CUDA_TN_ROWS")
 ACCURACY_EPOCHS = 200  # Cora, GCN 2 x 16, Adam lr 0.01, weight decay 5e-4: the runs of
                        # bench.cuda_emulated_accuracy, so the GPU's figures meet the emulator's
 
@@ -88,16 +92,24 @@ def spmm_model(width: int):
 
 
 def prepare(args) -> None:
+    from gcomp.passes import PassContext
+    out = Path(args.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    prepared = {"prefer": args.prefer, **({"knobs": args.knobs} if args.knobs else {})}
+    (out / PREPARED).write_text(json.dumps(prepared))
+    ctx = PassContext(options={"prefer": args.prefer})  # compile_model sets the target
+    with ExitStack() as knobs:
+        for key, value in args.knobs.items():
+            knobs.enter_context(_environ(key, value))
+        _compile_all(args, out, ctx)
+
+
+def _compile_all(args, out: Path, ctx) -> None:
     import gcomp.models
     from gcomp.codegen.optimizer import OptimizerConfig
     from gcomp.compiler import compile_model
-    from gcomp.passes import PassContext
     from gcomp.runtime.synthetic import SIZES
     from gcomp.schedules.cuda import AGG_MIN_LANES_ENV, AGG_VECTOR
-    out = Path(args.dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / PREPARED).write_text(json.dumps({"prefer": args.prefer}))
-    ctx = PassContext(options={"prefer": args.prefer})  # compile_model sets the target
     for graph in args.graphs:
         _, _, features, classes = SIZES[graph]  # the model needs the sizes, not the graph
         for name in args.models:
@@ -346,8 +358,8 @@ def run(args, save) -> dict:
               "device": torch.cuda.get_device_name(), "versions": versions(tvm_version()),
               "layers": LAYERS, "hidden": HIDDEN, "heads": HEADS, "reps": args.reps,
               "warmup": args.warmup, "cases": [], "spmm": [],
-              "prefer": json.loads((d / PREPARED).read_text())["prefer"]
-              if (d / PREPARED).exists() else "speed"}
+              **(json.loads((d / PREPARED).read_text()) if (d / PREPARED).exists()
+                 else {"prefer": "speed"})}
     for graph in args.graphs:
         if not args.no_spmm:
             result["spmm"] += spmm_cases(d, graph, args.reps, args.warmup)
@@ -450,7 +462,9 @@ def markdown(res: dict) -> str:
              f"{res['layers']} layers, hidden {res['hidden']}, GAT {res['heads']} heads; "
              f"median of {res['reps']} after {res['warmup']} warm-ups"
              + (".  gcomp's training steps compiled with `--prefer memory`."
-                if res.get("prefer") == "memory" else "."), ""]
+                if res.get("prefer") == "memory" else ".")
+             + "".join(f"  Compiled with {k}={v}." for k, v in res.get("knobs", {}).items()),
+             ""]
     if res["spmm"]:
         lines += ["| graph | F | gcomp SpMM ms | cuSPARSE ms | ratio | rel err | four rows a "
                   "warp (GCOMP_CUDA_AGG_MIN_LANES=8) ms |", "|---|---|---|---|---|---|---|"]
@@ -547,6 +561,8 @@ def main(argv=None) -> int:
                    help="skip the Cora accuracy runs (a run of several processes makes them once)")
     p.add_argument("--prefer", default="speed", choices=["speed", "memory"],
                    help="prepare: the training steps' pass option (see gcomp compile)")
+    p.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE",
+                   help=f"prepare: a schedule tuning knob set while compiling ({', '.join(KNOBS)})")
     p.add_argument("--precisions", default="fp32",
                    help="fp32 and/or bf16: gcomp's builds to prepare and time")
     p.add_argument("--out", default="bench/results/gpu")
@@ -555,6 +571,9 @@ def main(argv=None) -> int:
         setattr(args, k, [s for s in getattr(args, k).split(",") if s])
     if "fp32" not in args.precisions or set(args.precisions) - {"fp32", "bf16"}:
         p.error("--precisions: fp32, optionally with bf16")
+    args.knobs = dict(k.split("=", 1) for k in args.knob if "=" in k)
+    if len(args.knobs) != len(args.knob) or set(args.knobs) - set(KNOBS):
+        p.error(f"--knob: NAME=VALUE with NAME one of {', '.join(KNOBS)}")
     if args.action == "prepare":
         prepare(args)
         return 0

@@ -68,6 +68,33 @@ def test_prepare_with_memory_preferred(tmp_path):
     assert "compiled with `--prefer memory`" in gpu.markdown(res)
 
 
+def test_prepare_with_a_tuning_knob(tmp_path):
+    """``--knob``: set while compiling (the weight gradients stage 32 rows a step), then
+    unset; recorded in the directory and named in the report; unknown knobs refused."""
+    import json
+    import os
+
+    from gcomp.codegen.dense_kernels import TN_ROWS_ENV
+    try:
+        cuda_build.find_nvcc()
+    except CompileError as e:
+        pytest.skip(f"prepare compiles CUDA code: {e}")
+    with pytest.raises(SystemExit):
+        gpu.main(["prepare", str(tmp_path), "--knob", "GCOMP_CUDA_NOPE=1"])
+    gpu.main(["prepare", str(tmp_path / "k"), "--models", "gcn", "--knob", f"{TN_ROWS_ENV}=32"])
+    gpu.main(["prepare", str(tmp_path / "base"), "--models", "gcn"])
+    assert TN_ROWS_ENV not in os.environ
+    prepared = json.loads((tmp_path / "k" / gpu.PREPARED).read_text())
+    assert prepared == {"prefer": "speed", "knobs": {TN_ROWS_ENV: "32"}}
+    art = [artifact.load(gpu.artifact_path(tmp_path / d, "arxiv-synth", "gcn-train"))
+           for d in ("k", "base")]
+    assert art[0].lib_bytes != art[1].lib_bytes  # other weight-gradient kernels
+    res = {"device": "a GPU", "command": "bench.gpu run", "when": "now", "versions": {},
+           "layers": 3, "hidden": 32, "heads": 4, "reps": 10, "warmup": 3, "spmm": [],
+           "cases": [], **prepared}
+    assert f"Compiled with {TN_ROWS_ENV}=32." in gpu.markdown(res)
+
+
 def test_precisions_must_include_fp32(tmp_path):
     with pytest.raises(SystemExit):
         gpu.main(["prepare", str(tmp_path), "--precisions", "bf16"])

@@ -284,12 +284,17 @@ def test_products_against_numpy(K, M, n):
         np.testing.assert_allclose(out, expect, rtol=1e-5, atol=1e-4 * np.sqrt(K))
 
 
+@pytest.mark.parametrize("rows", [None, "32"])
 @pytest.mark.parametrize("K,M,n", [(40, 40, 3000), (3, 8, 5), (602, 128, 40)])
-def test_weight_gradients_against_numpy(K, M, n):
+def test_weight_gradients_against_numpy(K, M, n, rows, monkeypatch):
     """The GPU weight gradient x^T y (chunk partials, then a warp per result element adding
     them): chunks that divide by a warp and one that does not (602 x 128: 26 chunks), fewer
-    rows than chunks, against numpy in float64."""
-    from gcomp.codegen.dense_kernels import gpu_tn_tiles
+    rows than chunks, against numpy in float64; also with 32 rows staged per step
+    (``GCOMP_CUDA_TN_ROWS``)."""
+    from gcomp.codegen.dense_kernels import TN_ROWS_ENV, gpu_tn_tiles
+    if rows:
+        monkeypatch.setenv(TN_ROWS_ENV, rows)
+        assert gpu_tn_tiles(K, M).R >= 32
     from gcomp.codegen.kernels import KernelSpec
     from gcomp.debug.cuda_emulator import EmulatedLibrary
     rng = np.random.default_rng(K + M + n)

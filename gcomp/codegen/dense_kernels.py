@@ -8,6 +8,7 @@ Shapes in a spec use ``"n"`` for the one symbolic leading axis a kernel sees
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 from tvm import te, tirx
@@ -525,6 +526,7 @@ GPU_TN_GRID = 528 * 256  # threads in flight to aim for: four full blocks per H1
 GPU_TN_PARTIALS = 1 << 21  # floats of chunk partials at most (8 MiB)
 GPU_TN_SHARED = 40 * 1024  # bytes of staged rows per block (the static limit is 48 KiB)
 GPU_TN_SUM_LANES = 32  # threads (a warp) adding one result element's chunk partials
+TN_ROWS_ENV = "GCOMP_CUDA_TN_ROWS"  # fewest rows of x and y a weight-gradient block stages
 
 
 def _round_up(v: int, m: int) -> int:
@@ -554,7 +556,10 @@ def gpu_tn_tiles(K: int, M: int) -> TnTiles:
     split that does not divide.  Preferred: at least 128 threads per block where the
     result has that many elements, then up to 16 results per thread (each staged value of
     x feeds ``tb`` products, each of y ``ta``) less the work spent on padding, then more
-    threads."""
+    threads.  Rows staged per step: at least ``$GCOMP_CUDA_TN_ROWS`` (16): more put more
+    bytes in flight per synchronization (the kernel waits on memory: 1.45 TB/s for 128 x
+    32 on the H200, one wave of blocks), not yet timed, so a knob (``bench.gpu --knob``)."""
+    rows = int(os.environ.get(TN_ROWS_ENV, "16"))
     best = None
     for tb, nx, Mp in _column_tiles(M):
         for ta, ny in ((ta, ny) for ta in range(1, 9) for ny in _thread_rows(K, ta, nx)):
@@ -562,7 +567,7 @@ def gpu_tn_tiles(K: int, M: int) -> TnTiles:
             Kp = _round_up(K, BK)
             # staged rows: each thread copies whole elements of both tiles
             R = math.lcm(threads // math.gcd(threads, BK), threads // math.gcd(threads, Mp))
-            R *= -(-16 // R) if R < 16 else 1
+            R *= -(-rows // R) if R < rows else 1
             if R * (BK + Mp) * 4 > GPU_TN_SHARED:
                 continue
             useful = K * M / (Kp * Mp)
