@@ -90,6 +90,20 @@ OPS_BEYOND_MODELS = ["aggregate_max", "aggregate_weighted_mean", "attention_fuse
                      "scatter_messages", "self_loops_norm", "softmax"]
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("name", MODELS + ["ggnn"])
+def test_every_model_trains_with_atomic_scatters_through_nvcc(name, precision, tmp_path):
+    """``--prefer memory``: every model's training step, in both precisions, through nvcc
+    with its scatters (GAT keeps its attention's own backward; the others scatter)."""
+    from gcomp.passes import PassContext
+    m = (models.build("ggnn", 16, hidden=24, out_channels=5, layers=2) if name == "ggnn"
+         else _small(name))
+    art = compile_model(m, "cuda", train=True, precision=precision,
+                        ctx=PassContext(options={"prefer": "memory"}))
+    check_device_code(art, tmp_path)
+    assert art.info()["deterministic"] == (name == "gat")
+
+
 @pytest.mark.parametrize("op", OPS_BEYOND_MODELS)
 def test_op_kernels_compile_for_cuda(op, tmp_path):
     from test_autodiff import OPS, Fn

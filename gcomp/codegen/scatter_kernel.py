@@ -32,7 +32,7 @@ from tvm.script.ir_builder import tirx as T
 
 from gcomp.codegen import epilogue as epi
 from gcomp.codegen.aggregate_kernel import lanes_block
-from gcomp.codegen.kernels import arg, definer
+from gcomp.codegen.kernels import arg, bound, definer
 from gcomp.errors import CompileError
 
 
@@ -77,7 +77,7 @@ def csr_scatter(H: int, C: int, weight: str, epilogue: tuple = (), extras: tuple
                         extra[k][epi.index(extras[k], vi, vf)])), [vi, vf])
 
             def scatter(row, lo, hi, vh, f):
-                value = T.Bind(x[row, f])
+                value = bound(x[row, f])  # float32 also where x is stored as bfloat16
                 with T.serial(lo, hi) as j:
                     IRBuilder.name("j", j)
                     term = value if w is None else w[j, vh if weight == "head" else 0] * value

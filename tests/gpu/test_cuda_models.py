@@ -149,7 +149,7 @@ def test_training_step_with_hub_rows(build, name):
         assert rel_err(gpu.parameters()[k][clear], v[clear]) <= 1e-4, k
 
 
-@pytest.mark.parametrize("name", ["gcn", "sage", "gin"])
+@pytest.mark.parametrize("name", ["gcn", "sage", "gin", "ggnn"])
 def test_training_step_with_atomic_scatters(build, name):
     """``--prefer memory``: the backward aggregations scatter over the forward CSR with
     atomic adds (hub tasks included), against the CPU build on a graph with hub rows."""
