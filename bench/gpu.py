@@ -55,7 +55,8 @@ MODELS = ("gcn", "sage", "gin", "gat")
 LAYERS, HIDDEN, HEADS = 3, 32, 4
 SPMM_WIDTHS = (32, 128)
 SPMM_VARIANT = "lanes8"  # the SpMM with four 32-feature rows a warp (schedules/cuda.py)
-# the CUDA schedules' tuning knobs, read while compiling (docs/cuda.md, Tuning knobs)
+# the CUDA schedules' tuning knobs, read while compiling (docs/cuda.md, Tuning knobs);
+# spelled out: `run` parses these arguments on a GPU host without TVM's compiler
 KNOBS = ("GCOMP_CUDA_AGG_MIN_LANES", "GCOMP_CUDA_TN_ROWS")
 ACCURACY_EPOCHS = 200  # Cora, GCN 2 x 16, Adam lr 0.01, weight decay 5e-4: the runs of
                        # bench.cuda_emulated_accuracy, so the GPU's figures meet the emulator's
