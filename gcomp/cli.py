@@ -149,8 +149,7 @@ def _pass_context(args):
     if timing:
         instruments.append(timing)
     ctx = PassContext(target=args.target, instruments=instruments,
-                      disabled=frozenset(args.disable_pass or ()),
-                      options={"prefer": args.prefer, "deterministic": args.deterministic})
+                      disabled=frozenset(args.disable_pass or ()), options=_options(args))
     return ctx, timing
 
 
@@ -182,6 +181,11 @@ def _option_flags(p) -> None:
                         "--prefer memory on cuda, keeps the transposed graph)")
 
 
+def _options(args) -> dict:
+    """The pass context's options that ``_option_flags`` parsed."""
+    return {"prefer": args.prefer, "deterministic": args.deterministic}
+
+
 # ---------------------------------------------------------------------- explain
 def cmd_explain(args) -> int:
     from gcomp.compiler import compile_model
@@ -193,8 +197,8 @@ def cmd_explain(args) -> int:
         graph_data = load_graph(args.graph)
     from gcomp.passes import PassContext
     model = _model_from_args(args)
-    ctx = PassContext(options={"prefer": args.prefer, "deterministic": args.deterministic})
-    art = compile_model(model, args.target, train=args.train, ctx=ctx,
+    art = compile_model(model, args.target, train=args.train,
+                        ctx=PassContext(options=_options(args)),
                         optimizer=_optimizer_from_args(args) if args.train else None,
                         precision=args.precision)
     g = art.graphs["training"] if args.train else art.graphs["inference"]

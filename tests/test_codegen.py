@@ -49,3 +49,11 @@ def test_compile_cache_reuses_libraries():
     assert p1 == p2 and p2.stat().st_mtime_ns == mtime
     other = build_library(specs, make_target("llvm", mcpu="x86-64"))
     assert other != p1
+
+
+def test_kernel_kind_reads_the_symbol_a_spec_names():
+    """``plan.kernel_kind`` (the runtime's reading of a kernel's kind: gcomp info and
+    explain) inverts ``KernelSpec.name``, kinds with underscores included."""
+    from gcomp.runtime.plan import kernel_kind
+    for kind in ("csr_agg", "csr_scatter", "matmul", "matmul_tn", "cross_entropy_grad"):
+        assert kernel_kind(KernelSpec.make(kind, F=3, split=True).name) == kind

@@ -4,8 +4,9 @@ Expects: plans from ``lower`` and their kernel specs.
 Guarantees: every ``csr_agg`` or ``csr_scatter`` step over a graph value (not over sparse
 node features) and every step of GAT's fused attention (``attention_agg``,
 ``attention_grad_dst``, ``attention_grad_src``) calls the split form of its kernel
-(``split=True``, in ``aggregate_kernel`` and ``scatter_kernel``) with the graph's ``hub_tasks`` and ``hub_rows`` arrays (``csc_``
-ones for a kernel over out-edges) inserted before its output, so the output stays the
+(``split=True``, in ``aggregate_kernel`` and ``scatter_kernel``) with the graph's
+``hub_tasks`` and ``hub_rows`` arrays (``csc_`` ones for a kernel over out-edges)
+inserted before its output, so the output stays the
 last argument and the positions of its other arguments (``in_place``) do not move.
 
 Why: the GPU schedule gives each output row to one thread per feature, which walks the

@@ -13,11 +13,10 @@ edge has been added, so the only epilogue is one that adds to the sum (``additiv
 GIN's ``+ (1 + eps) dy``): the output starts from it instead of from zero.
 
 Nests, launched in order: ``init`` sets the output to the epilogue's addends (or zero);
-``task`` (the hub tasks of
-``gcomp/codegen/hub_split.py``, ranges of at most ``graph.task_edges`` edges cut from long
-rows) and ``row`` (every other row) scatter their edges, a thread per feature, each thread
-loading its row's value once.  A task needs no partial row: the atomics add its edges
-straight into the output.
+``task`` (the hub tasks of ``gcomp/codegen/hub_split.py``, ranges of at most
+``graph.task_edges`` edges cut from long rows) and ``row`` (every other row) scatter their
+edges, a thread per feature, each thread loading its row's value once.  A task needs no
+partial row: the atomics add its edges straight into the output.
 
 Arguments: indptr (int64, n+1), indices (int32, nnz), [w (float32, nnz x WH)], x
 (float32, n x H*C), extras..., tasks (int64, t x 3), hub (int64, n+1), out (float32, m x

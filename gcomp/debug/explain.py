@@ -25,6 +25,7 @@ import numpy as np
 from gcomp.ir.graph import Graph
 from gcomp.ir.ops import Op
 from gcomp.ir.types import TensorType
+from gcomp.runtime.plan import kernel_kind
 
 
 def _row_bytes(t: TensorType) -> int:
@@ -40,7 +41,8 @@ def explain(graph: Graph, plans: dict, graph_data=None) -> dict:
     """A JSON-able report; ``plans`` maps "inference"/"training" to plans."""
     report: dict = {"model": graph.name, "fusion": [], "attention": [], "reorder": [],
                     "hoisted": [], "per_feed": [],
-                    "sparse_features": [], "kernels": {}}
+                    "sparse_features": [], "kernels": {},
+                    "csc": False}  # whether a plan reads a graph's transposed arrays
     for n in graph:
         if "fused" in n.meta:
             members = [graph.node(m) for m in n.meta["fused"]]
@@ -83,17 +85,15 @@ def explain(graph: Graph, plans: dict, graph_data=None) -> dict:
             report["attention_backward"] = backward
         over_out = {"scatter": 0, "gather": 0}  # aggregations over out-edges
         for s in plan.bind_steps + plan.feed_steps + plan.steps:
-            head = s["args"][0] if s["args"] else {}
-            if s["kernel"].startswith("gc_csr_scatter_"):
+            graph_arrays = [a["array"] for a in s["args"] if "graph" in a]
+            kind = kernel_kind(s["kernel"])
+            if kind == "csr_scatter":
                 over_out["scatter"] += 1
-            elif s["kernel"].startswith("gc_csr_agg_") and head.get("graph") and \
-                    head["array"] == "csc_indptr":
+            elif kind == "csr_agg" and graph_arrays[:1] == ["csc_indptr"]:
                 over_out["gather"] += 1
+            report["csc"] = report["csc"] or any(a.startswith("csc_") for a in graph_arrays)
         if any(over_out.values()):
             report.setdefault("out_edges", {})[label] = over_out
-        report["csc"] = report.get("csc", False) or any(
-            a.get("array", "").startswith("csc_") for s in plan.bind_steps + plan.feed_steps
-            + plan.steps for a in s["args"] if "graph" in a)
         for key, v in plan.variants.items():
             entry = {"plan": label, "variant": key, "threshold": v.get("threshold"),
                      "calibration": v.get("calibration", [])}

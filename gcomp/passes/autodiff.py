@@ -8,11 +8,11 @@ parameter p]`` and ``graph.meta["grads"]`` maps each parameter name to the
 name of its gradient value.  Only values on a path from a parameter to the
 loss are differentiated.  The backward pass of an aggregation over in-edges is
 an aggregation over out-edges (the transposed graph; lowered as a gather over
-its CSC arrays, or on CUDA with memory preferred as an atomic scatter); edge weights get ``edge_dot``; fused attention gets
-``attention_grad_dst`` and ``attention_grad_src`` (no edge tensors); max
-reductions route the gradient to the first maximal edge; dropout reuses its
-(seed, step) mask; the gradients of slices of one value are concatenated (zeros
-fill what no slice reads).
+its CSC arrays, or on CUDA with memory preferred as an atomic scatter); edge
+weights get ``edge_dot``; fused attention gets ``attention_grad_dst`` and
+``attention_grad_src`` (no edge tensors); max reductions route the gradient to
+the first maximal edge; dropout reuses its (seed, step) mask; the gradients of
+slices of one value are concatenated (zeros fill what no slice reads).
 
     Before:  %h = aggregate[reduce="sum"](%g, %x, %w) : f32[N,16]
              ... %loss = cross_entropy(%z, %y, %mask) : f32[]

@@ -31,7 +31,7 @@ import numpy as np
 from gcomp import __version__
 from gcomp.errors import ArtifactError
 from gcomp.runtime.cpu_features import enable_amx
-from gcomp.runtime.plan import HUB_TASKS_VERSION, PLAN_VERSION, Plan
+from gcomp.runtime.plan import HUB_TASKS_VERSION, PLAN_VERSION, Plan, kernel_kind
 
 FORMAT = "gcomp-artifact"
 FORMAT_VERSION = 1
@@ -91,7 +91,7 @@ class Artifact:
             "precision": m.get("precision", "fp32"),
             "cpu_features": m.get("cpu_features", []),
             # the scatter kernels add with atomics, in the GPU's order
-            "deterministic": not any(k.startswith("gc_csr_scatter_") for k in self.kernels()),
+            "deterministic": not any(kernel_kind(k) == "csr_scatter" for k in self.kernels()),
             "kernels": self.kernels(),
             "num_kernels": len(self.kernels()),
             "ops": m.get("ops", {}),

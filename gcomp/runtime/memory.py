@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-from gcomp.runtime.plan import Plan
+from gcomp.runtime.plan import Plan, kernel_kind
 
 ITEMSIZE = {"float32": 4, "int32": 4, "int64": 8, "float64": 8, "bfloat16": 2}
 
@@ -213,10 +213,9 @@ def hub_partial_bytes(plan: Plan, structures: dict) -> int:
     largest = 0
     for s in plan.bind_steps + plan.feed_steps + plan.steps:
         tasks = [a for a in s["args"] if a.get("array", "").endswith("hub_tasks")]
-        if tasks and s["kernel"].startswith("gc_csr_agg_"):
+        if tasks and kernel_kind(s["kernel"]) == "csr_agg":
             t = structures[tasks[0]["graph"]].array(tasks[0]["array"]).shape[0]
             dims = plan.buffers[_root(plan, s["args"][-1]["buf"])]["dims"]
             width = prod(d for d in dims[1:] if isinstance(d, int))
             largest = max(largest, t * width * 4)
     return largest
-

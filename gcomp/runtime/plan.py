@@ -65,6 +65,12 @@ GRAPH_ARRAYS = ("indptr", "indices", "rows", "perm", "csc_indptr", "csc_indices"
                 "origin")
 
 
+def kernel_kind(name: str) -> str:
+    """The kind of a plan's kernel from its symbol, as ``KernelSpec.name`` writes it
+    (``gc_<kind>_<digest>``)."""
+    return name[len("gc_"):].rsplit("_", 1)[0]
+
+
 @dataclass
 class Plan:
     inputs: list[dict] = field(default_factory=list)

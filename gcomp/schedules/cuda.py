@@ -228,6 +228,11 @@ def _agg_rows(sch, spec) -> None:
 AGG_STRATEGIES = {"rows": _agg_rows}
 
 
+def agg_strategy(spec) -> str:
+    """The aggregation schedule for ``spec`` (the only one today: ``rows``)."""
+    return "rows"
+
+
 def _scatter(sch) -> None:
     """The scatter over out-edges (``csr_scatter``): the output initialized flat, then
     the tasks and the rows in the rows x lanes layout, each thread adding its feature of
@@ -235,11 +240,6 @@ def _scatter(sch) -> None:
     _bind_flat(sch, sch.get_sblock("init"))
     _bind_rows(sch, sch.get_sblock("task"))
     _bind_rows(sch, sch.get_sblock("row"))
-
-
-def agg_strategy(spec) -> str:
-    """The aggregation schedule for ``spec`` (the only one today: ``rows``)."""
-    return "rows"
 
 
 def _argmax(sch) -> None:
@@ -310,18 +310,30 @@ def _edge_dot(sch) -> None:
 
 
 # ---------------------------------------------------------------------- dense kernels
+def _in_shared_at(sch, name: str, at):
+    """Staging block ``name`` in shared memory, copied anew at loop ``at``; returns it
+    and its last two loops (the tile's rows and columns)."""
+    stage = sch.get_sblock(name)
+    sch.set_scope(stage, 0, "shared")
+    sch.compute_at(stage, at, preserve_unit_loops=True)
+    return stage, sch.get_loops(stage)[-2:]
+
+
+def _copy_by_all(sch, loops, ny: int, nx: int) -> None:
+    """The copy loops ``loops`` fused and shared by all ``ny`` x ``nx`` threads of the
+    block, neighbouring threads on neighbouring iterations."""
+    _, fy, fx = sch.split(sch.fuse(*loops), [None, ny, nx])
+    sch.bind(fy, "threadIdx.y")
+    sch.bind(fx, "threadIdx.x")
+
+
 def _stage_in_shared(sch, names, at, ny: int, nx: int) -> None:
     """The staging blocks ``names`` (a tile of an operand, zero-padded in the definition)
     in shared memory, copied anew at loop ``at`` by all ``ny`` x ``nx`` threads of the
     block, neighbouring threads on neighbouring floats; each copies whole elements (the
     tile plans make the sizes divide)."""
     for name in names:
-        stage = sch.get_sblock(name)
-        sch.set_scope(stage, 0, "shared")
-        sch.compute_at(stage, at, preserve_unit_loops=True)
-        _, fy, fx = sch.split(sch.fuse(*sch.get_loops(stage)[-2:]), [None, ny, nx])
-        sch.bind(fy, "threadIdx.y")
-        sch.bind(fx, "threadIdx.x")
+        _copy_by_all(sch, _in_shared_at(sch, name, at)[1], ny, nx)
 
 
 TRANSPOSED_RUN = 8  # floats of a row one thread group copies into a transposed tile
@@ -335,15 +347,10 @@ def _stage_transposed(sch, name: str, at, ny: int, nx: int) -> None:
     the tile is padded to 4 floats past a multiple of 32 (132 for 128 rows): a warp's
     stores fall in 32 different banks (unpadded, every store of a warp hit one bank) while
     a thread's rows keep 16-byte alignment."""
-    stage = sch.get_sblock(name)
-    sch.set_scope(stage, 0, "shared")
-    sch.compute_at(stage, at, preserve_unit_loops=True)
-    r, k = sch.get_loops(stage)[-2:]
+    stage, (r, k) = _in_shared_at(sch, name, at)
     ko, ki = sch.split(k, [None, TRANSPOSED_RUN])
     sch.reorder(ko, r, ki)
-    _, fy, fx = sch.split(sch.fuse(ko, r, ki), [None, ny, nx])
-    sch.bind(fy, "threadIdx.y")
-    sch.bind(fx, "threadIdx.x")
+    _copy_by_all(sch, (ko, r, ki), ny, nx)
     sch.storage_align(stage, 0, 2, 32, 4)
 
 
