@@ -10,6 +10,13 @@ from gcomp.errors import CompileError
 from gcomp.runtime import artifact
 
 
+def _run_result(**fields) -> dict:
+    """What ``bench.gpu run`` records, with ``fields`` (cases, spmm, ...) over an empty run."""
+    return {"device": "a GPU", "command": "bench.gpu run", "when": "now", "versions": {},
+            "layers": 3, "hidden": 32, "heads": 4, "reps": 10, "warmup": 3, "spmm": [],
+            "cases": [], **fields}
+
+
 def test_prepare_writes_each_precision(tmp_path):
     try:
         cuda_build.find_nvcc()
@@ -42,10 +49,8 @@ def test_prepare_writes_each_precision(tmp_path):
 def test_report_of_the_spmm_with_and_without_its_variant():
     row = {"graph": "arxiv-synth", "width": 32, "gcomp": {"median_ms": 0.135},
            "cusparse": {"median_ms": 0.144}, "rel_err": 1e-7}
-    res = {"device": "a GPU", "command": "bench.gpu run", "when": "now", "versions": {},
-           "layers": 3, "hidden": 32, "heads": 4, "reps": 10, "warmup": 3, "cases": [],
-           "spmm": [row, {**row, "width": 128, gpu.SPMM_VARIANT: {"median_ms": 0.09,
-                                                                  "rel_err": 2e-7}}]}
+    res = _run_result(spmm=[row, {**row, "width": 128,
+                                  gpu.SPMM_VARIANT: {"median_ms": 0.09, "rel_err": 2e-7}}])
     md = gpu.markdown(res)
     assert "| arxiv-synth | 32 | 0.135 | 0.144 | 1.07x | 1.0e-07 | - | - |" in md
     assert "| 0.090 (rel err 2.0e-07) | - |" in md
@@ -62,9 +67,7 @@ def test_prepare_with_memory_preferred(tmp_path):
     art = artifact.load(gpu.artifact_path(tmp_path, "arxiv-synth", "gcn-train"))
     assert not art.train_plan.feed_steps
     assert (tmp_path / gpu.PREPARED).read_text() == '{"prefer": "memory"}'
-    res = {"device": "a GPU", "command": "bench.gpu run", "when": "now", "versions": {},
-           "layers": 3, "hidden": 32, "heads": 4, "reps": 10, "warmup": 3, "spmm": [],
-           "cases": [], "prefer": "memory"}
+    res = _run_result(prefer="memory")
     assert "compiled with `--prefer memory`" in gpu.markdown(res)
 
 
@@ -91,9 +94,7 @@ def test_prepare_with_a_tuning_knob(tmp_path):
     art = [artifact.load(gpu.artifact_path(tmp_path / d, "arxiv-synth", "gcn-train"))
            for d in ("k", "base")]
     assert art[0].lib_bytes != art[1].lib_bytes  # other weight-gradient kernels
-    res = {"device": "a GPU", "command": "bench.gpu run", "when": "now", "versions": {},
-           "layers": 3, "hidden": 32, "heads": 4, "reps": 10, "warmup": 3, "spmm": [],
-           "cases": [], **prepared}
+    res = _run_result(**prepared)
     assert f"Compiled with {TN_ROWS_ENV}=32." in gpu.markdown(res)
 
 
@@ -109,11 +110,9 @@ def test_report_of_a_run_with_bf16_builds():
                            "rel_err_vs_fp32": 4e-3},
             "pyg-csr": {"median_ms": 6.0, "peak_extra_bytes": 180 * 2**20},
             "speedup_vs_best_pyg": 4.0, "speedup_vs_best_pyg_bf16": 6.0}
-    res = {"device": "a GPU", "command": "bench.gpu run", "when": "now", "versions": {},
-           "layers": 3, "hidden": 32, "heads": 4, "reps": 10, "warmup": 3, "spmm": [],
-           "cases": [case],
-           "accuracy": [{"precision": p, "test_acc": a, "val_acc": a, "final_loss": 0.1,
-                         "median_ms": 0.2} for p, a in (("fp32", 0.806), ("bf16", 0.805))]}
+    res = _run_result(cases=[case], accuracy=[
+        {"precision": p, "test_acc": a, "val_acc": a, "final_loss": 0.1, "median_ms": 0.2}
+        for p, a in (("fp32", 0.806), ("bf16", 0.805))])
     md = gpu.markdown(res)
     assert "| gcomp bf16 ms / MiB | bf16 vs best PyG |" in md
     assert "| 1.00 / 200 | 6.00x | 4.0e-03 | 3.6100 / 3.6200 |" in md
@@ -128,9 +127,7 @@ def test_report_of_a_training_case_without_a_forward_difference():
                            "final_loss": 3.8057},
             "pyg-csr": {"median_ms": 5.4, "peak_extra_bytes": 330 * 2**20},
             "speedup_vs_best_pyg": 2.84, "speedup_vs_best_pyg_bf16": 3.18}
-    res = {"device": "a GPU", "command": "bench.gpu run", "when": "now", "versions": {},
-           "layers": 3, "hidden": 32, "heads": 4, "reps": 10, "warmup": 3, "spmm": [],
-           "cases": [case]}
+    res = _run_result(cases=[case])
     md = gpu.markdown(res)
     assert "| 1.70 / 240 | 3.18x | - | 3.8204 / 3.8057 |" in md
     assert "nan" not in md
@@ -141,9 +138,7 @@ def test_report_of_cuda_graph_replays_without_peers():
             "gcomp": {"median_ms": 0.648, "device_bytes": 66 * 2**20, "final_loss": 1.098504},
             "gcomp-graph": {"median_ms": 0.594, "device_bytes": 66 * 2**20,
                             "final_loss": 1.098504}}
-    res = {"device": "a GPU", "command": "bench.gpu run", "when": "now", "versions": {},
-           "layers": 3, "hidden": 32, "heads": 4, "reps": 10, "warmup": 3, "spmm": [],
-           "cases": [case]}
+    res = _run_result(cases=[case])
     md = gpu.markdown(res)
     assert "| graph | model | mode | gcomp ms | gcomp MiB | vs best PyG |\n|---|---|---|---|---|---|" in md
     assert "| pubmed-synth | gin | training | 0.65 | 66 | - |" in md
