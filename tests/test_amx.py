@@ -69,14 +69,20 @@ def test_tile_product_matches_float64(K, M, n):
 @amx
 @pytest.mark.parametrize("K,M,n,stored", [(128, 32, 1000, ("x",)), (64, 40, 517, ("x",)),
                                           (128, 32, 77, ("x", "y")), (72, 32, 300, ("y",)),
-                                          (96, 32, 5, ("x",))])
+                                          (96, 32, 5, ("x",)), (128, 32, 5000, ("x", "y")),
+                                          (32, 40, 4999, ("x", "y")), (32, 32, 2100, ("x", "y")),
+                                          (72, 40, 3001, ("x", "y"))])
 def test_tile_weight_gradient_matches_float64(K, M, n, stored):
     """x.T @ y over rows in 16 ranges (ranges of a few rows, and of none, at n = 5; rows
     packed 128 at a time, the last pack partial); an operand stored as float32 is rounded
-    to bfloat16 as it is packed; K and M padded to tiles (72, 40)."""
+    to bfloat16 as it is packed; K and M padded to tiles (72, 40).  With y stored as
+    bfloat16, whole packs of its rows are transposed by gathers (n >= 2,100: ranges of
+    more than 128 rows), the last one value by value; short x rows (K = 32) take the
+    tiles then."""
     spec = KernelSpec.make("matmul_tn", K=K, M=M, bf16=stored)
     func = define(spec, _amx_target())
     assert "tdpbf16ps" in func.script()
+    assert ("gather.dpi" in func.script()) == ("y" in stored)
     fn = tvm.compile(tvm.IRModule({spec.name: func}), target=tvm.target.Target(_amx_target()))
     rng = np.random.default_rng(K * M + n)
     x = rng.standard_normal((n, K)).astype(np.float32)
@@ -103,6 +109,8 @@ def test_tile_shapes_within_the_hardware():
     assert amx_kernels.tn_shape(64, 40) == (48, 64, 16)
     assert amx_kernels.tn_shape(128, 64) is None          # 4 y.T tiles leave too few
     assert amx_kernels.tn_shape(32, 32) is None           # packing outweighs the product
+    assert amx_kernels.tn_shape(32, 32, gathered=True) == (32, 32, 32)  # unless gathered
+    assert amx_kernels.tn_shape(16, 32, gathered=True) is None
 
 
 @amx

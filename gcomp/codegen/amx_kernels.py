@@ -178,15 +178,59 @@ def _store_row(out, extra, extras, epilogue, i, M: int, value) -> None:
 SUPER = 128    # rows packed at a time by the weight-gradient kernel
 
 
-def tn_shape(K: int, M: int) -> tuple[int, int, int] | None:
+LANES = 16     # uint32 lanes of one AVX-512 gather
+
+
+def _gather(flat, first, stride: int):
+    """``flat[first + stride * lane]`` for 16 lanes (``vpgatherdd``), as uint32."""
+    lanes = tirx.Ramp(tirx.const(0, "int32"), tirx.const(stride, "int32"), LANES)
+    v = tirx.call_llvm_intrin(f"int32x{LANES}", "llvm.x86.avx512.mask.gather.dpi.512",
+                              tirx.Broadcast(tirx.const(0, "int32"), LANES),
+                              tirx.address_of(flat[first]), lanes,
+                              tirx.Broadcast(tirx.const(True, "bool"), LANES),
+                              tirx.const(4, "int32"))
+    return tirx.reinterpret(f"uint32x{LANES}", v)
+
+
+def gathers_y(M: int) -> bool:
+    """Whether the weight gradient being defined packs y.T by gathers
+    (``_pack_transposed``): y stored as bfloat16, its columns in uint32 pairs."""
+    return stored_bf16("y") and M % 2 == 0
+
+
+def _pack_transposed(ypk, y, p, r0, n, M: int, Q: int) -> None:
+    """``ypk[p, m, q]`` = rows r0 + 2q and r0 + 2q + 1 of bfloat16 ``y`` at column m (the
+    first low), for the 2Q rows from r0, all of them rows of y; M even.  Read as uint32
+    column pairs, 16 row pairs at a time: the two gathers of a column pair's low and high
+    rows give both columns' pairs with four bit operations.  Written one pair at a time
+    (two scalar loads, shifts and a store each), y.T made the tiles slower than the
+    float32 kernel for short x rows (``tn_shape``)."""
+    u32 = "uint32"
+    flat = T.decl_buffer((n * (M // 2),), u32, data=y.data)
+    low16 = tirx.Broadcast(tirx.const(0xFFFF, u32), LANES)
+    shift = tirx.Broadcast(tirx.const(16, u32), LANES)
+    with T.serial(0, Q // LANES) as g:
+        with T.serial(0, M // 2) as c:
+            row = r0 + 2 * LANES * g
+            lo_rows = T.Bind(_gather(flat, row * (M // 2) + c, M))
+            hi_rows = T.Bind(_gather(flat, (row + 1) * (M // 2) + c, M))
+            lanes = tirx.Ramp(g * LANES, tirx.const(1, "int64"), LANES)
+            T.buffer_store(ypk, (lo_rows & low16) | (hi_rows << shift), [p, 2 * c, lanes])
+            T.buffer_store(ypk, (lo_rows >> shift) | (hi_rows & (low16 << shift)),
+                           [p, 2 * c + 1, lanes])
+
+
+def tn_shape(K: int, M: int, gathered: bool = False) -> tuple[int, int, int] | None:
     """(padded M, padded K, k columns per pass) of the weight-gradient kernel, or None
     where its tiles do not fit or it is slower: out.T = y.T @ x is computed, y.T in M / 16
     row tiles and the sums of KC columns in (M / 16) x (KC / 16) tiles, with one x tile:
-    at most 8.  Packing the rows costs about as much whatever K is, so short x rows stay
-    with the float32 kernel (arxiv-size rows, Intel Xeon, 2 threads, from memory: 128 x 32
-    both bfloat16 7.5 -> 3.7 ms, x float32 8.6 -> 6.6; 32 x 32 1.7 -> 2.4, 32 x 40 with y
-    float32 3.6 -> 4.0)."""
-    if K < 64:
+    at most 8.  ``gathered``: x and y are both stored as bfloat16 and M is even, so y.T is
+    packed by gathers (``_pack_transposed``).  Packing the rows costs about as much
+    whatever K is, so short x rows stay with the float32 kernel unless y is gathered
+    (arxiv-size rows, Intel Xeon, 2 threads: 128 x 32 both bfloat16 7.5 -> 3.7 ms, x
+    float32 8.6 -> 6.6; y packed one value at a time, 32 x 32 1.7 -> 2.4 and 32 x 40
+    with y float32 3.6 -> 4.0; gathered, 32 x 32 1.53 -> 0.84 and 32 x 40 3.04 -> 1.09)."""
+    if K < (32 if gathered else 64):
         return None
     MP, KP = -(-M // COLS) * COLS, -(-K // COLS) * COLS
     rows = MP // COLS
@@ -220,16 +264,55 @@ def _pair(buf, raw, i, j, hi, n, width: int):
     return lo_ | (hi_ << tirx.const(16, u32))
 
 
+def _pack_y(ypk, y, yr, p, r0, hi, n, M: int, MP: int, Q: int, gather: bool) -> None:
+    """y.T for the ``2 Q`` rows from r0 into ``ypk[p]``: rows m < M, pairs of rows of y
+    (rows past ``hi`` zero); by gathers where ``gather`` and all the rows are y's."""
+    def one_by_one():
+        with T.serial(0, Q) as q:
+            with T.serial(0, MP) as m:
+                T.buffer_store(ypk, _pair(y, yr, r0 + 2 * q, m, hi, n, M), [p, m, q])
+    if not gather:
+        one_by_one()
+        return
+    with T.If(r0 + 2 * Q <= hi):
+        with T.Then():
+            _pack_transposed(ypk, y, p, r0, n, M, Q)
+        with T.Else():
+            one_by_one()
+
+
+def _pack_x(xpk, x, xr, p, q, i, hi, n, K: int, KP: int) -> None:
+    """``xpk[p, q]`` = rows i and i + 1 of x interleaved (zeros past ``hi`` and K).  Both
+    rows in range, bfloat16 and no padding: two vector loads and a shift, without the
+    clamps and zero fills (128 x 32 on arxiv-size rows, 2.11 -> 1.98 ms)."""
+    u32 = "uint32"
+
+    def checked():
+        with T.vectorized(0, KP) as k:
+            T.buffer_store(xpk, _pair(x, xr, i, k, hi, n, K), [p, q, k])
+    if xr is None or K != KP:
+        checked()
+        return
+    with T.If(i + 1 < hi):
+        with T.Then():
+            with T.vectorized(0, KP) as k:
+                T.buffer_store(xpk, tirx.Cast(u32, xr[i, k])
+                               | (tirx.Cast(u32, xr[i + 1, k]) << tirx.const(16, u32)),
+                               [p, q, k])
+        with T.Else():
+            checked()
+
+
 def matmul_tn_amx(K: int, M: int, chunks: int):
     """out = x.T @ y (x: [n, K], y: [n, M]; either stored as bfloat16 or rounded to it) on
     tiles.  The reduction runs over rows, which the tile instruction wants paired along its
     rows: per ``SUPER`` rows of its range, a thread packs y.T (pairs of rows of y, each
-    column a row of the packed block) and x (pairs of rows interleaved), zeros past the
-    range; then for each KC columns of the result it loads that part of its partial sum
+    column a row of the packed block; by gathers, ``_pack_transposed``, where y is
+    bfloat16) and x (pairs of rows interleaved), zeros past the range; then for each KC columns of the result it loads that part of its partial sum
     (out.T, in tiles), adds the packed rows 32 at a time and stores it back.  The ranges'
     partial sums are added up at the end, transposed (deterministic)."""
     f32, u32 = "float32", "uint32"
-    MP, KP, KC = tn_shape(K, M)
+    MP, KP, KC = tn_shape(K, M, stored_bf16("x") and gathers_y(M))
     NA, NK = MP // COLS, KC // COLS    # y.T row tiles; sums tiles per row tile
     b_tile = NA + NA * NK             # tiles: sums 0 .. NA*NK-1, y.T, then x
     P, Q = chunks, SUPER // 2
@@ -251,14 +334,15 @@ def matmul_tn_amx(K: int, M: int, chunks: int):
                 _load_tile_config({t: (ROWS, 4 * COLS) for t in range(b_tile + 1)})
                 with T.grid(MP, KP) as (a, b):
                     T.buffer_store(part, tirx.const(0.0, f32), [p, a, b])
+                gather = gathers_y(M)
+                if gather:  # y.T's padding rows: zero once, the gathers never write them
+                    with T.grid(MP - M, Q) as (m, q):
+                        T.buffer_store(ypk, tirx.const(0, u32), [p, M + m, q])
                 with T.serial(0, (hi - lo + SUPER - 1) // SUPER) as sb:
                     r0 = lo + sb * SUPER
+                    _pack_y(ypk, y, yr, p, r0, hi, n, M, MP, Q, gather)
                     with T.serial(0, Q) as q:
-                        i = r0 + 2 * q
-                        with T.serial(0, MP) as m:
-                            T.buffer_store(ypk, _pair(y, yr, i, m, hi, n, M), [p, m, q])
-                        with T.vectorized(0, KP) as k:
-                            T.buffer_store(xpk, _pair(x, xr, i, k, hi, n, K), [p, q, k])
+                        _pack_x(xpk, x, xr, p, q, r0 + 2 * q, hi, n, K, KP)
                     with T.serial(0, KP // KC) as kc:
                         for a in range(NA):
                             for c in range(NK):
