@@ -287,12 +287,13 @@ def test_weight_gradient_in_row_blocks(K, M, tuning):
         assert np.abs(out.numpy() - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max()), n
 
 
-@pytest.mark.parametrize("C", [16, 40, 33, 7])
+@pytest.mark.parametrize("C", [16, 40, 33, 7, 17, 23, 47, 64])
 def test_cross_entropy_kernels_in_row_ranges(C):
     """The CPU loss and its gradient (rows in ranges, per-row max and sum folded across
     vector lanes; 7 classes: the generic kernels) against float64 numpy: masked rows, rows
     without a label (y = -1), row counts on both sides of the parallel threshold, widths
-    with and without a tail; the gradient reads the log-sum-exps the loss wrote."""
+    with and without a tail (of one lane at 17, odd lane counts at 23 and 47, several
+    whole vectors at 64); the gradient reads the log-sum-exps the loss wrote."""
     import tvm
     from gcomp.codegen.build import build_library, make_target
     from gcomp.codegen.cpu_kernels import CE_PARALLEL
@@ -419,3 +420,31 @@ def test_trees_read_slices_and_reshapes_in_place():
         assert o.shape == r.shape and rel_err(o, r) <= 1e-5, rel_err(o, r)
     kinds = sorted(s["kernel"].rsplit("_", 1)[0] for s in art.plan.steps)
     assert kinds == ["gc_colsum", "gc_ewise_chain"]  # two trees, no slice copied
+
+
+@pytest.mark.parametrize("C", [40, 23])
+def test_cross_entropy_of_bfloat16_logits(C):
+    """The CPU loss reading logits stored as bfloat16 (``--precision bf16``) widens them
+    from their bits: the loss and log-sum-exps of the rounded logits, against float64."""
+    import tvm
+    import tvm_ffi
+    from gcomp.codegen.build import build_library, make_target
+    from gcomp.codegen.kernels import KernelSpec
+    spec = KernelSpec.make("cross_entropy", C=C, bf16=("z",))
+    lib = tvm.runtime.load_module(str(build_library({spec.name: spec}, make_target("llvm"))))
+    rng = np.random.default_rng(C)
+    n = 3000
+    z = (4 * rng.standard_normal((n, C))).astype(np.float32)
+    bits = ((z.view(np.uint32) + 0x7FFF + ((z.view(np.uint32) >> 16) & 1)) >> 16).astype(np.uint16)
+    zz = (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    y = rng.integers(-1, C, n).astype(np.int32)
+    m = (rng.random(n) < 0.6).astype(np.float32)
+    T = tvm.runtime.tensor
+    loss, lse_out = T(np.zeros((), np.float32)), T(np.full(n, np.nan, np.float32))
+    lib[spec.name](tvm_ffi.from_dlpack(bits)._create_view((n, C), "bfloat16"), T(y), T(m),
+                   lse_out, loss)
+    valid, yy = (m != 0) & (y >= 0), np.maximum(y, 0)
+    lse = np.log(np.exp(zz - zz.max(1, keepdims=True)).sum(1)) + zz.max(1)
+    ref = np.where(valid, m * (lse - zz[np.arange(n), yy]), 0).sum() / m.sum()
+    assert abs(float(loss.numpy()) - ref) <= 1e-5 * abs(ref)
+    assert np.abs(lse_out.numpy()[valid] - lse[valid]).max() <= 1e-5 * np.abs(lse).max()

@@ -27,7 +27,9 @@ def _f(v: float):
 
 
 def fast_exp(x):
-    """exp(x) for a float32 PrimExpr."""
+    """exp(x) for a float32 PrimExpr, scalar or vector (float32xL)."""
+    lanes = str(x.ty).partition("x")[2]  # "" for a scalar
+    suffix = f"x{lanes}" if lanes else ""
     x = tirx.max(tirx.min(x, _f(88.3762626647950)), _f(-87.3365478515625))
     fx = tirx.floor(x * _f(LOG2E) + _f(0.5))
     r = x - fx * _f(C1) - fx * _f(C2)
@@ -35,7 +37,7 @@ def fast_exp(x):
     for c in POLY[1:]:
         p = p * r + _f(c)
     y = p * (r * r) + r + _f(1.0)
-    scale = tirx.reinterpret("float32", (tirx.Cast("int32", fx) + 127) << 23)
+    scale = tirx.reinterpret("float32" + suffix, (tirx.Cast("int32" + suffix, fx) + 127) << 23)
     return y * scale
 
 
