@@ -308,9 +308,10 @@ def matmul_tn_amx(K: int, M: int, chunks: int):
     tiles.  The reduction runs over rows, which the tile instruction wants paired along its
     rows: per ``SUPER`` rows of its range, a thread packs y.T (pairs of rows of y, each
     column a row of the packed block; by gathers, ``_pack_transposed``, where y is
-    bfloat16) and x (pairs of rows interleaved), zeros past the range; then for each KC columns of the result it loads that part of its partial sum
-    (out.T, in tiles), adds the packed rows 32 at a time and stores it back.  The ranges'
-    partial sums are added up at the end, transposed (deterministic)."""
+    bfloat16) and x (pairs of rows interleaved), zeros past the range; then for each KC
+    columns of the result it loads that part of its partial sum (out.T, in tiles), adds
+    the packed rows 32 at a time and stores it back.  The ranges' partial sums are added
+    up at the end, transposed (deterministic)."""
     f32, u32 = "float32", "uint32"
     MP, KP, KC = tn_shape(K, M, stored_bf16("x") and gathers_y(M))
     NA, NK = MP // COLS, KC // COLS    # y.T row tiles; sums tiles per row tile

@@ -776,9 +776,9 @@ CE_MIN_CLASSES = VEC  # fewer classes fill a fraction of the vector lanes: the g
 
 
 def _fold(v, lanes: int, op):
-    """``op`` over the ``lanes`` lanes of vector ``v``, halving it in registers (folded
-    through a local buffer, each step reads back half of a vector it just stored: a
-    stalled load)."""
+    """``op`` over the ``lanes`` lanes of vector ``v``, halving it in registers (a fold
+    through a local buffer stalls at each step, reading back half of a vector it has just
+    stored)."""
     odd = []
     while lanes > 1:
         if lanes % 2:
