@@ -32,7 +32,7 @@ ROWS = 169_343
 CASES = [("matmul", 32, 32, ("out", "x")), ("matmul", 128, 32, ("out", "x")),
          ("matmul", 128, 128, ("out", "x")), ("matmul", 128, 384, ("out", "x")),
          ("matmul_tn", 128, 32, ("x", "y")), ("matmul_tn", 128, 32, ("y",)),
-         ("matmul_tn", 32, 32, ("x", "y"))]
+         ("matmul_tn", 32, 32, ("x", "y")), ("matmul_tn", 32, 40, ("x", "y"))]
 
 
 def _bits(a: np.ndarray) -> np.ndarray:
