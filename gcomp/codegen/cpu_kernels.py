@@ -319,8 +319,29 @@ def attention_agg(H: int, C: int, slope: float, p: float = 0.0, seed: int = 0,
     return ib.get()
 
 
+def _fold(v, lanes: int, op):
+    """``op`` over the ``lanes`` lanes of vector ``v``, halving it in registers (a fold
+    through a local buffer stalls at each step, reading back half of a vector it has just
+    stored)."""
+    odd = []
+    while lanes > 1:
+        if lanes % 2:
+            odd.append(tirx.Shuffle([v], [tirx.const(lanes - 1, "int32")]))
+            lanes -= 1
+        half = lanes // 2
+        v = op(tirx.Shuffle([v], [tirx.const(k, "int32") for k in range(half)]),
+               tirx.Shuffle([v], [tirx.const(k, "int32") for k in range(half, lanes)]))
+        lanes = half
+    for lane in odd:
+        v = op(v, lane)
+    return v
+
+
 def _head_dots(part, V: int, C: int, h: int, a, b) -> tirx.PrimExpr:
-    """sum_c a(h * C + c) * b(h * C + c), in V vector lanes of partial sums."""
+    """sum_c a(h * C + c) * b(h * C + c), in V vector lanes of partial sums (``part``, read
+    and written whole: a register) folded in registers (``_fold``; added up one lane at a
+    time from the buffer, they made a chain of V - 1 dependent adds per edge and head:
+    ``edge_dot`` at 4 heads x 32 channels on arxiv-size graphs 27.6 -> 26.0 ms)."""
     f32 = "float32"
     with T.vectorized(0, V) as v:
         T.buffer_store(part, tirx.const(0.0, f32), [v])
@@ -328,10 +349,10 @@ def _head_dots(part, V: int, C: int, h: int, a, b) -> tirx.PrimExpr:
         with T.vectorized(0, V) as v:
             f = h * C + co * V + v
             T.buffer_store(part, part[v] + a(f) * b(f), [v])
-    total = part[0]
-    for v in range(1, V):
-        total = total + part[v]
-    return total
+    if V == 1:
+        return part[0]
+    return _fold(part[tirx.Ramp(tirx.const(0, "int32"), tirx.const(1, "int32"), V)], V,
+                 lambda x, y: x + y)
 
 
 @definer("attention_grad_dst", target="llvm")
@@ -773,24 +794,6 @@ CE_PARALLEL = 1 << 16  # logits from which the ranges run in parallel: below, wa
                        # thread pool cost more than the rows (Cora: 0.03 -> 0.10 ms)
 CE_MIN_CLASSES = VEC  # fewer classes fill a fraction of the vector lanes: the generic
                       # kernels win there (Cora's 7, 0.02 vs 0.07 ms)
-
-
-def _fold(v, lanes: int, op):
-    """``op`` over the ``lanes`` lanes of vector ``v``, halving it in registers (a fold
-    through a local buffer stalls at each step, reading back half of a vector it has just
-    stored)."""
-    odd = []
-    while lanes > 1:
-        if lanes % 2:
-            odd.append(tirx.Shuffle([v], [tirx.const(lanes - 1, "int32")]))
-            lanes -= 1
-        half = lanes // 2
-        v = op(tirx.Shuffle([v], [tirx.const(k, "int32") for k in range(half)]),
-               tirx.Shuffle([v], [tirx.const(k, "int32") for k in range(half, lanes)]))
-        lanes = half
-    for lane in odd:
-        v = op(v, lane)
-    return v
 
 
 def _softmax_row(z, i, C: int, acc):

@@ -27,8 +27,8 @@ def _f(v: float):
 
 
 def fast_exp(x):
-    """exp(x) for a float32 PrimExpr, scalar or vector (float32xL)."""
-    lanes = str(x.ty).partition("x")[2]  # "" for a scalar
+    """exp(x) for a float32 PrimExpr (or TE tensor element), scalar or vector (float32xL)."""
+    lanes = str(getattr(x, "ty", "float32")).partition("x")[2]  # "" for a scalar
     suffix = f"x{lanes}" if lanes else ""
     x = tirx.max(tirx.min(x, _f(88.3762626647950)), _f(-87.3365478515625))
     fx = tirx.floor(x * _f(LOG2E) + _f(0.5))
