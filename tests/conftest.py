@@ -46,6 +46,17 @@ def ref_inputs(model_graph, g: GraphData, x=None) -> dict:
     return inputs
 
 
+def bf16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits, rounded to nearest even (as TVM's stores round)."""
+    u = np.ascontiguousarray(a, np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def widen_bf16(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bits -> their float64 values."""
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-12))

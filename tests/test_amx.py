@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import tvm
 import tvm_ffi
+from conftest import bf16_bits, widen_bf16
 
 from gcomp import models
 from gcomp.codegen import amx_kernels
@@ -20,16 +21,6 @@ from gcomp.runtime.trainer import Trainer
 
 amx = pytest.mark.skipif(not host_has_amx() or enable_amx() is not None,
                          reason="no AMX-BF16 tiles on this CPU / OS")
-
-
-def _bf16_bits(a: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bits, rounded to nearest even (as TVM's stores round)."""
-    u = np.ascontiguousarray(a, np.float32).view(np.uint32)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def _widen(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
 def _amx_target() -> dict:
@@ -56,11 +47,11 @@ def test_tile_product_matches_float64(K, M, n):
     w = rng.standard_normal((K, M)).astype(np.float32)
     b = rng.standard_normal(M).astype(np.float32)
     res = rng.standard_normal((n, M)).astype(np.float32)
-    xb = _bf16_bits(x)
+    xb = bf16_bits(x)
     out = tvm.runtime.tensor(np.full((n, M), np.nan, np.float32), tvm.cpu())
     fn[spec.name](tvm_ffi.from_dlpack(xb)._create_view((n, K), "bfloat16"),
                   tvm.runtime.tensor(w), tvm.runtime.tensor(b), tvm.runtime.tensor(res), out)
-    ref = np.maximum(_widen(xb) @ _widen(_bf16_bits(w)) + b + res, 0)
+    ref = np.maximum(widen_bf16(xb) @ widen_bf16(bf16_bits(w)) + b + res, 0)
     got = out.numpy()
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
@@ -90,11 +81,11 @@ def test_tile_weight_gradient_matches_float64(K, M, n, stored):
 
     def operand(a, name):
         if name in stored:
-            return tvm_ffi.from_dlpack(_bf16_bits(a))._create_view(a.shape, "bfloat16")
+            return tvm_ffi.from_dlpack(bf16_bits(a))._create_view(a.shape, "bfloat16")
         return tvm.runtime.tensor(a)
     out = tvm.runtime.tensor(np.full((K, M), np.nan, np.float32), tvm.cpu())
     fn[spec.name](operand(x, "x"), operand(y, "y"), out)
-    ref = _widen(_bf16_bits(x)).T @ _widen(_bf16_bits(y))
+    ref = widen_bf16(bf16_bits(x)).T @ widen_bf16(bf16_bits(y))
     np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from conftest import awkward_graph, ref_inputs, rel_err
+from conftest import awkward_graph, bf16_bits, ref_inputs, rel_err, widen_bf16
 
 from gcomp.compiler import compile_model
 from gcomp.frontend.builder import (EdgeInput, GraphInput, Module, NodeInput, Parameter, concat,
@@ -435,8 +435,8 @@ def test_cross_entropy_of_bfloat16_logits(C):
     rng = np.random.default_rng(C)
     n = 3000
     z = (4 * rng.standard_normal((n, C))).astype(np.float32)
-    bits = ((z.view(np.uint32) + 0x7FFF + ((z.view(np.uint32) >> 16) & 1)) >> 16).astype(np.uint16)
-    zz = (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    bits = bf16_bits(z)
+    zz = widen_bf16(bits)
     y = rng.integers(-1, C, n).astype(np.int32)
     m = (rng.random(n) < 0.6).astype(np.float32)
     T = tvm.runtime.tensor

@@ -240,6 +240,12 @@ def tn_shape(K: int, M: int, gathered: bool = False) -> tuple[int, int, int] | N
     return None
 
 
+def tn_tiles(K: int, M: int) -> tuple[int, int, int] | None:
+    """``tn_shape`` for the weight gradient being defined, by how its operands are
+    stored."""
+    return tn_shape(K, M, stored_bf16("x") and gathers_y(M))
+
+
 def _bits(buf, raw, i, j, valid):
     """The bfloat16 bits of buf[i, j] as uint32 (0 where ``valid`` fails): read from
     ``raw`` (buf's data as uint16) where buf is stored as bfloat16, else the float32 value
@@ -313,7 +319,7 @@ def matmul_tn_amx(K: int, M: int, chunks: int):
     the packed rows 32 at a time and stores it back.  The ranges' partial sums are added
     up at the end, transposed (deterministic)."""
     f32, u32 = "float32", "uint32"
-    MP, KP, KC = tn_shape(K, M, stored_bf16("x") and gathers_y(M))
+    MP, KP, KC = tn_tiles(K, M)
     NA, NK = MP // COLS, KC // COLS    # y.T row tiles; sums tiles per row tile
     b_tile = NA + NA * NK             # tiles: sums 0 .. NA*NK-1, y.T, then x
     P, Q = chunks, SUPER // 2

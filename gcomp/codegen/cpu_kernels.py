@@ -610,8 +610,7 @@ def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = 16, amx: bool = F
     tile = _matmul_tn_tile(K, M, tuning)
     if tile is None:
         return None
-    if amx and (stored_bf16("x") or stored_bf16("y")) and amx_kernels.tn_shape(
-            K, M, stored_bf16("x") and amx_kernels.gathers_y(M)):
+    if amx and (stored_bf16("x") or stored_bf16("y")) and amx_kernels.tn_tiles(K, M):
         return amx_kernels.matmul_tn_amx(K, M, chunks)
     TA, TB = tile
     f32, i64 = "float32", "int64"
