@@ -80,7 +80,8 @@ def artifact_name(nodeid: str, target: str) -> str:
 def build(request):
     """``build(model, *targets, train=False, precision="fp32", options=None)``: one
     artifact per target (``options``: the pass context's), compiled here, or (prepare
-    mode) compiled, saved and the test skipped, or (prepared mode) loaded."""
+    mode) compiled, saved and the test skipped, or (prepared mode) loaded. A test calls
+    it once: in prepare mode a second call would never be reached."""
     def _build(model, *targets, train=False, precision="fp32", options=None):
         names = [artifact_name(request.node.nodeid, t) for t in targets]
         if PREPARED:

@@ -152,11 +152,12 @@ def test_training_step_with_hub_rows(build, name):
 @pytest.mark.parametrize("name", ["gcn", "sage", "gin", "ggnn"])
 def test_training_step_with_atomic_scatters(build, name):
     """``--prefer memory``: the backward aggregations scatter over the forward CSR with
-    atomic adds (hub tasks included), against the CPU build on a graph with hub rows."""
+    atomic adds (hub tasks included), against the CPU build on a graph with hub rows.
+    Both come from one ``build`` call: in prepare mode the call skips the test, so a
+    second call never ran and the GPU host lacked the CPU artifact."""
     g = synthetic_graph(3000, 40000, 16, 4, seed=5)
     m = build_model(name, 16, 32, out_channels=4, layers=2, dropout=0.2, seed=1)
-    gpu_art, = build(m, "cuda", train=True, options={"prefer": "memory"})
-    cpu_art, = build(m, "llvm", train=True)
+    gpu_art, cpu_art = build(m, "cuda", "llvm", train=True, options={"prefer": "memory"})
     assert any(k.startswith("gc_csr_scatter_") for k in gpu_art.kernels())
     gpu, cpu = Trainer(gpu_art, g, seed=2), Trainer(cpu_art, g, seed=2)
     lg, lc = gpu.step(), cpu.step()
