@@ -315,37 +315,3 @@ def test_cuda_artifact_of_an_older_plan_version_is_refused(tmp_path):
                 artifact.load(old)
         else:
             assert artifact.load(old).plan.steps
-
-
-def _ptx_body(source: str, kernel: str, tmp_path) -> str:
-    src, ptx = tmp_path / "k.cu", tmp_path / "k.ptx"
-    src.write_text(source)
-    subprocess.run([NVCC, "-arch=sm_90", "-ptx", "-w", "-o", str(ptx), str(src)], check=True)
-    text = ptx.read_text()
-    start = text.index(f".entry {kernel}(")
-    end = text.find(".entry", start + 1)
-    return text[start:end if end > 0 else None]
-
-
-@pytest.mark.parametrize("K,M", [(128, 32), (32, 32), (602, 32)])
-def test_products_read_shared_memory_as_vectors(K, M, tmp_path):
-    """The GPU product's inner step (the 8 x 2 register tile of these shapes): its 16
-    multiply-adds read their operands from shared memory with 3 vector loads (two float4
-    of the thread's rows, one float2 of its columns), no scalar ones.  Shared memory
-    bounded this kernel on the H200 when each step made 10 scalar loads (docs/cuda.md)."""
-    import re
-
-    import tvm
-
-    from gcomp.codegen.dense_kernels import gpu_mm_tiles
-    from gcomp.codegen.kernels import KernelSpec
-    tl = gpu_mm_tiles(K, M)
-    assert (tl.ta, tl.tb) == (8, 2)
-    target = {"kind": "cuda", "arch": "sm_90"}
-    mod = cuda_build.schedule_module({"mm": KernelSpec.make("matmul", K=K, M=M)}, target)
-    source = tvm.compile(mod, target=cuda_build.tvm_target(target)).mod.imports[0].inspect_source()
-    body = _ptx_body(source, "mm_kernel", tmp_path)
-    count = lambda pattern: len(re.findall(pattern, body))  # noqa: E731
-    assert count(r"\bfma\.rn\.f32") == 16
-    assert count(r"ld\.shared\.v4\.f32") == 2 and count(r"ld\.shared\.v2\.f32") == 1
-    assert count(r"ld\.shared\.f32") == 0

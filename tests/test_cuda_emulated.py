@@ -302,9 +302,8 @@ def test_loss_and_its_gradient_against_numpy(C, n):
 @pytest.mark.parametrize("K,M,n", [(128, 32, 1000), (32, 40, 77), (602, 41, 50), (3, 7, 5),
                                    (1433, 16, 40), (64, 384, 130)])
 def test_products_against_numpy(K, M, n):
-    """The GPU product as scheduled: x's tiles staged transposed (padded rows, runs of 8
-    floats per thread group), each thread's rows and neighbouring columns read as
-    vectors; rows past n and padded columns never stored; with the bias and relu
+    """The GPU product as scheduled (x's and w's tiles staged in shared memory, a register
+    tile per thread); rows past n and padded columns never stored; with the bias and relu
     epilogue; against numpy in float64."""
     from gcomp.codegen.kernels import KernelSpec
     from gcomp.debug.cuda_emulator import EmulatedLibrary

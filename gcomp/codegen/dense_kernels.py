@@ -136,7 +136,7 @@ def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = (), gpu: bool =
 class MmTiles:
     """How the GPU form of ``matmul`` cuts its work (``gpu_mm_tiles``): a block of ``ny`` x
     ``nx`` threads owns ``R = ny * ta`` rows of the output, each thread ``ta`` rows by
-    ``tb`` neighbouring columns; per step the block stages ``KT`` columns of its
+    ``tb`` columns (columns ``nx`` apart); per step the block stages ``KT`` columns of its
     rows of x and ``KT`` rows of w in shared memory.  K and M are padded to ``Kp`` and
     ``Mp`` (multiples of KT and of tb * nx): the padding reads as zero and is never
     stored."""
@@ -181,20 +181,14 @@ def gpu_mm_tiles(K: int, M: int) -> MmTiles:
 
 
 def _matmul_gpu(K: int, M: int, epilogue: tuple, extras: tuple, tl: MmTiles):
-    """The GPU's ``matmul``: staged copies ``xs`` (the block's rows of x transposed, [k,
-    row], zero past the last row and column) and ``ws`` (w, zero-padded), the product
-    ``acc`` over padded blocks of rows [blocks, R, nx, tb] (a thread's ``ta`` rows and
-    ``tb`` neighbouring columns form an exact box: its register tile), and the output
-    block over the same domain, which stores only the elements inside [n, M] (after the
-    epilogue).  A thread reads its rows at one k, and its columns, as neighbouring floats:
-    vector loads from shared memory.  Before, with x staged [row, k] and a thread's
-    columns ``nx`` apart, each multiply-add of the 8 x 2 tile came with 10 scalar loads
-    from shared memory (3 vector loads now), and shared memory, not DRAM, bounded the
-    kernel: by count of load wavefronts, about 50 us of the 58 measured for 128 -> 32 on
-    arxiv-size rows on the H200."""
+    """The GPU's ``matmul``: staged copies ``xs`` (the block's rows of x, zero past the
+    last row and column) and ``ws`` (w, zero-padded), the product ``acc`` over padded
+    blocks of rows [blocks, R, Mp / nx, nx] (a thread's columns, ``nx`` apart, form an
+    exact box: its register tile), and the output block over the same domain, which
+    stores only the elements inside [n, M] (after the epilogue)."""
     f32 = "float32"
     zero = tirx.const(0.0, f32)
-    R, KT, nx, tb, Kp, Mp = tl.R, tl.KT, tl.nx, tl.tb, tl.Kp, tl.Mp
+    R, KT, nx, Kp, Mp = tl.R, tl.KT, tl.nx, tl.Kp, tl.Mp
     with IRBuilder() as ib:
         with IB.prim_func(s_tir=True):
             IB.func_name("matmul")
@@ -207,11 +201,9 @@ def _matmul_gpu(K: int, M: int, epilogue: tuple, extras: tuple, tl: MmTiles):
             # arguments by name
             out = arg("epilogue" if epilogue else "matmul", (n, M), f32)
             nb = (n + R - 1) // R
-            # x's tile transposed: a thread's rows (neighbours) at one k are neighbouring
-            # floats, read as vectors, as are its columns of w
-            xs = IB.sblock_alloc_buffer((nb, Kp // KT, KT, R), f32)
+            xs = IB.sblock_alloc_buffer((nb, Kp // KT, R, KT), f32)
             ws = IB.sblock_alloc_buffer((Kp // KT, KT, Mp), f32)
-            acc = IB.sblock_alloc_buffer((nb, R, nx, Mp // nx), f32)
+            acc = IB.sblock_alloc_buffer((nb, R, Mp // nx, nx), f32)
             for buf, name in ((xs, "xs"), (ws, "ws"), (acc, "acc")):
                 IRBuilder.name(name, buf)
             with IB.grid(nb, Kp // KT, R, KT) as (b, kt, r, kk):
@@ -219,9 +211,9 @@ def _matmul_gpu(K: int, M: int, epilogue: tuple, extras: tuple, tl: MmTiles):
                     vb, vt, vr, vk = IB.axis.remap("SSSS", [b, kt, r, kk])
                     row, col = vb * R + vr, vt * KT + vk
                     IB.reads(x[row, col])
-                    IB.writes(xs[vb, vt, vk, vr])
+                    IB.writes(xs[vb, vt, vr, vk])
                     IB.buffer_store(xs, tirx.if_then_else(
-                        tirx.all(row < n, col < K), _load(x, (row, col)), zero), [vb, vt, vk, vr])
+                        tirx.all(row < n, col < K), _load(x, (row, col)), zero), [vb, vt, vr, vk])
             with IB.grid(Kp // KT, KT, Mp) as (kt, kk, j):
                 with IB.sblock("ws"):
                     vt, vk, vj = IB.axis.remap("SSS", [kt, kk, j])
@@ -230,27 +222,27 @@ def _matmul_gpu(K: int, M: int, epilogue: tuple, extras: tuple, tl: MmTiles):
                     IB.buffer_store(ws, tirx.if_then_else(
                         tirx.all(vt * KT + vk < K, vj < M), w[vt * KT + vk, vj], zero),
                         [vt, vk, vj])
-            with IB.grid(nb, R, nx, tb, Kp // KT, KT) as (b, r, v, u, kt, kk):
+            with IB.grid(nb, R, Mp // nx, nx, Kp // KT, KT) as (b, r, u, v, kt, kk):
                 with IB.sblock("acc"):
-                    vb, vr, vv, vu, vt, vk = IB.axis.remap("SSSSRR", [b, r, v, u, kt, kk])
-                    IB.reads(xs[vb, vt, vk, vr], ws[vt, vk, vv * tb + vu])
-                    IB.writes(acc[vb, vr, vv, vu])
+                    vb, vr, vu, vv, vt, vk = IB.axis.remap("SSSSRR", [b, r, u, v, kt, kk])
+                    IB.reads(xs[vb, vt, vr, vk], ws[vt, vk, vu * nx + vv])
+                    IB.writes(acc[vb, vr, vu, vv])
                     with IB.init():
-                        IB.buffer_store(acc, zero, [vb, vr, vv, vu])
-                    IB.buffer_store(acc, acc[vb, vr, vv, vu]
-                                    + xs[vb, vt, vk, vr] * ws[vt, vk, vv * tb + vu],
-                                    [vb, vr, vv, vu])
-            with IB.grid(nb, R, nx, tb) as (b, r, v, u):
+                        IB.buffer_store(acc, zero, [vb, vr, vu, vv])
+                    IB.buffer_store(acc, acc[vb, vr, vu, vv]
+                                    + xs[vb, vt, vr, vk] * ws[vt, vk, vu * nx + vv],
+                                    [vb, vr, vu, vv])
+            with IB.grid(nb, R, Mp // nx, nx) as (b, r, u, v):
                 with IB.sblock("out"):
-                    vb, vr, vv, vu = IB.axis.remap("SSSS", [b, r, v, u])
-                    row, col = vb * R + vr, vv * tb + vu
-                    IB.reads(acc[vb, vr, vv, vu],
+                    vb, vr, vu, vv = IB.axis.remap("SSSS", [b, r, u, v])
+                    row, col = vb * R + vr, vu * nx + vv
+                    IB.reads(acc[vb, vr, vu, vv],
                              *[e[epi.index(kind, row, col)] for e, kind in zip(ext, extras)])
                     IB.writes(out[row, col])
                     with IB.If(tirx.all(row < n, col < M)):
                         with IB.Then():
                             IB.buffer_store(out, epi.apply(
-                                epilogue, acc[vb, vr, vv, vu],
+                                epilogue, acc[vb, vr, vu, vv],
                                 lambda k: _load(ext[k], epi.index(extras[k], row, col))),
                                 [row, col])
     return ib.get()

@@ -336,37 +336,18 @@ def _stage_in_shared(sch, names, at, ny: int, nx: int) -> None:
         _copy_by_all(sch, _in_shared_at(sch, name, at)[1], ny, nx)
 
 
-TRANSPOSED_RUN = 8  # floats of a row one thread group copies into a transposed tile
-
-
-def _stage_transposed(sch, name: str, at, ny: int, nx: int) -> None:
-    """A staging block that writes its tile transposed ([k, row]: ``matmul``'s x, so a
-    thread's rows at one k are neighbouring floats, read as vectors), copied at loop
-    ``at``.  Neighbouring threads take runs of ``TRANSPOSED_RUN`` floats of neighbouring
-    rows (a warp: 4 rows x 8, whole 32-byte sectors of x), and each k's run of rows in
-    the tile is padded to 4 floats past a multiple of 32 (132 for 128 rows): a warp's
-    stores fall in 32 different banks (unpadded, every store of a warp hit one bank) while
-    a thread's rows keep 16-byte alignment."""
-    stage, (r, k) = _in_shared_at(sch, name, at)
-    ko, ki = sch.split(k, [None, TRANSPOSED_RUN])
-    sch.reorder(ko, r, ki)
-    _copy_by_all(sch, (ko, r, ki), ny, nx)
-    sch.storage_align(stage, 0, 2, 32, 4)
-
-
 def _matmul(sch, K: int, M: int) -> None:
     """GPU definition (``gpu=True``, tiles from ``gpu_mm_tiles``): a block per ``R`` rows;
-    per step of ``KT`` columns of x its threads copy the rows' slice of x (transposed,
-    ``_stage_transposed``) and ``KT`` rows of w into shared memory, then each thread adds
-    the products into its ``ta`` x ``tb`` register tile, reading its rows and its
-    neighbouring columns as vectors; the output block (epilogue, bound check)
+    per step of ``KT`` columns of x its threads copy the rows' slice of x and ``KT`` rows
+    of w into shared memory (neighbouring floats), then each thread adds the products
+    into its ``ta`` x ``tb`` register tile; the output block (epilogue, bound check)
     follows each thread's tile.  (The form before gave each thread 4 rows of one column
     straight from global memory: 0.21 ms for 128 -> 32 on arxiv-size rows, 0.76 ms for
     128 -> 128, about 7x the FLOP floor.)"""
     from gcomp.codegen.dense_kernels import gpu_mm_tiles
     tl = gpu_mm_tiles(K, M)
     acc = sch.get_sblock("acc")
-    b, r, v, u, kt, kk = sch.get_loops(acc)
+    b, r, u, v, kt, kk = sch.get_loops(acc)
     ty, a = sch.split(r, [tl.ny, tl.ta])
     sch.reorder(b, ty, v, kt, kk, a, u)
     sch.bind(b, "blockIdx.x")
@@ -374,8 +355,7 @@ def _matmul(sch, K: int, M: int) -> None:
     sch.bind(v, "threadIdx.x")
     sch.set_scope(acc, 0, "local")
     sch.reverse_compute_at(sch.get_sblock("out"), v)
-    _stage_in_shared(sch, ("ws",), kt, tl.ny, tl.nx)
-    _stage_transposed(sch, "xs", kt, tl.ny, tl.nx)
+    _stage_in_shared(sch, ("xs", "ws"), kt, tl.ny, tl.nx)
     sch.decompose_reduction(acc, kt)
 
 
