@@ -7,8 +7,9 @@ A GPU host often has no TVM compiler (``docs/cuda.md``), so this runs in two hal
     on any machine with nvcc: compile the CUDA artifacts the run needs into DIR
     (3-layer GCN, GraphSAGE, GIN, GAT with 4 heads, hidden 32: inference and training,
     in each precision; a bare sum aggregation, the SpMM, at F = 32 and 128, and at F = 32
-    also with four rows a warp (``GCOMP_CUDA_AGG_MIN_LANES=8``, timed beside the default,
-    as is the SpMM on the graph's nodes ordered by degree);
+    also with a warp per row (``GCOMP_CUDA_AGG_MIN_LANES=32``, the layout before four rows
+    a warp became the default), timed beside the default, as is the SpMM on the graph's
+    nodes in their given order (the GPU's default orders skewed graphs by degree);
     with bf16, also Cora's 2-layer GCN for the accuracy runs).  ``--prefer memory`` compiles with
     that pass option (no wide aggregations of the features kept across training steps);
     DIR's ``prepared.json`` records it, and the run's results say it.  ``--knob`` sets a
@@ -54,7 +55,7 @@ import numpy as np
 MODELS = ("gcn", "sage", "gin", "gat")
 LAYERS, HIDDEN, HEADS = 3, 32, 4
 SPMM_WIDTHS = (32, 128)
-SPMM_VARIANT = "lanes8"  # the SpMM with four 32-feature rows a warp (schedules/cuda.py)
+SPMM_VARIANT = "lanes32"  # the SpMM with a warp per 32-feature row (schedules/cuda.py)
 # the CUDA schedules' tuning knobs, read while compiling (docs/cuda.md, Tuning knobs);
 # spelled out: `run` parses these arguments on a GPU host without TVM's compiler
 KNOBS = ("GCOMP_CUDA_AGG_MIN_LANES", "GCOMP_CUDA_TN_ROWS")
@@ -127,7 +128,7 @@ def _compile_all(args, out: Path, ctx) -> None:
     for width in SPMM_WIDTHS:
         compile_model(spmm_model(width), "cuda").save(artifact_path(out, "any", f"spmm{width}"))
         if width // AGG_VECTOR < 32:  # the layout the knob changes, for the run to compare
-            with _environ(AGG_MIN_LANES_ENV, str(width // AGG_VECTOR)):
+            with _environ(AGG_MIN_LANES_ENV, "32"):
                 compile_model(spmm_model(width), "cuda").save(
                     artifact_path(out, "any", f"spmm{width}-{SPMM_VARIANT}"))
     print(f"prepared spmm {SPMM_WIDTHS}", flush=True)
@@ -300,7 +301,7 @@ def spmm_cases(d: Path, graph: str, reps: int, warmup: int) -> list[dict]:
                                reps, warmup))
         row = {"graph": graph, "width": width, "cusparse": theirs}
         for what, key, order in ((f"spmm{width}", "gcomp", "auto"),
-                                 (f"spmm{width}", "degree", "degree"),
+                                 (f"spmm{width}", "given", "none"),
                                  (f"spmm{width}-{SPMM_VARIANT}", SPMM_VARIANT, "auto")):
             path = artifact_path(d, "any", what)
             if key == SPMM_VARIANT and not path.exists():  # prepared before the variant
@@ -316,9 +317,9 @@ def spmm_cases(d: Path, graph: str, reps: int, warmup: int) -> list[dict]:
 
 
 def _spmm_timed(art, g, x, reps: int, warmup: int, reorder: str) -> tuple[dict, np.ndarray]:
-    """gcomp's SpMM with the node order ``reorder`` (``degree``: rows renumbered by
-    degree when the graph is bound, so the most gathered rows sit together in the L2
-    cache; the output comes back in the user's order)."""
+    """gcomp's SpMM with the node order ``reorder`` (``auto``: the GPU's rule,
+    ``runtime/reorder.py``; ``none``: the graph's own; the output comes back in the
+    user's order)."""
     ex = art.executor()
     ex.reorder = reorder
     b = ex.feed(ex.bind(g), {"x": x})
@@ -474,8 +475,8 @@ def markdown(res: dict) -> str:
              + "".join(f"  Compiled with {k}={v}." for k, v in res.get("knobs", {}).items()),
              ""]
     if res["spmm"]:
-        lines += ["| graph | F | gcomp SpMM ms | cuSPARSE ms | ratio | rel err | four rows a "
-                  "warp (GCOMP_CUDA_AGG_MIN_LANES=8) ms | nodes ordered by degree ms |",
+        lines += ["| graph | F | gcomp SpMM ms | cuSPARSE ms | ratio | rel err | a warp per "
+                  "row (GCOMP_CUDA_AGG_MIN_LANES=32) ms | nodes in the given order ms |",
                   "|---|---|---|---|---|---|---|---|"]
 
         def cell(v):
@@ -485,7 +486,7 @@ def markdown(res: dict) -> str:
                          f"{r['cusparse']['median_ms']:.3f} | "
                          f"{r['cusparse']['median_ms'] / r['gcomp']['median_ms']:.2f}x | "
                          f"{r['rel_err']:.1e} | {cell(r.get(SPMM_VARIANT))} | "
-                         f"{cell(r.get('degree'))} |")
+                         f"{cell(r.get('given'))} |")
         lines.append("")
     peers = [p for p in ("pyg", "pyg-csr", "pyg-compile") if any(p in c for c in res["cases"])]
     bf16 = any("gcomp-bf16" in c for c in res["cases"])

@@ -34,15 +34,15 @@ def test_prepare_writes_each_precision(tmp_path):
         acc = artifact.load(gpu.artifact_path(tmp_path, "cora", "gcn-accuracy", prec))
         assert acc.train_plan is not None
     assert gpu.artifact_path(tmp_path, "any", "spmm32").exists()
-    # at F = 32 also four rows a warp (float4 lanes), which the run times beside it; the
-    # knob is set for that compile only
+    # at F = 32 also a warp per row (the default puts four rows in a warp), which the run
+    # times beside it; the knob is set for that compile only
     import os
 
     from gcomp.schedules.cuda import AGG_MIN_LANES_ENV
     assert AGG_MIN_LANES_ENV not in os.environ
-    lanes8 = artifact.load(gpu.artifact_path(tmp_path, "any", f"spmm32-{gpu.SPMM_VARIANT}"))
+    warp = artifact.load(gpu.artifact_path(tmp_path, "any", f"spmm32-{gpu.SPMM_VARIANT}"))
     plain = artifact.load(gpu.artifact_path(tmp_path, "any", "spmm32"))
-    assert lanes8.lib_bytes != plain.lib_bytes
+    assert warp.lib_bytes != plain.lib_bytes
     assert not gpu.artifact_path(tmp_path, "any", f"spmm128-{gpu.SPMM_VARIANT}").exists()
 
 

@@ -139,15 +139,17 @@ def test_scheduled_split_kernel_matches_scipy(reduce, weight, indirect, F):
 
 
 @pytest.mark.parametrize("reduce,weight,indirect", SPLIT_CASES)
-def test_four_rows_a_warp_match_scipy(reduce, weight, indirect, monkeypatch):
-    """``GCOMP_CUDA_AGG_MIN_LANES=8``: 32-feature rows get 8 lanes of float4, four rows a
-    warp, rows of unequal lengths side by side (bench.gpu times it against the default)."""
+@pytest.mark.parametrize("fewest", [None, "32"])
+def test_32_feature_rows_match_scipy(reduce, weight, indirect, fewest, monkeypatch):
+    """32-feature rows: by default 8 lanes of float4, four rows a warp, rows of unequal
+    lengths side by side; with ``GCOMP_CUDA_AGG_MIN_LANES=32`` a warp per row, a lane per
+    feature (bench.gpu times it beside the default)."""
     from gcomp.schedules.cuda import AGG_MIN_LANES_ENV, agg_vector
     spec = KernelSpec.make("csr_agg", reduce=reduce, H=1, C=32, weight=weight,
                            indirect=indirect, split=True)
-    assert agg_vector(spec) == 1
-    monkeypatch.setenv(AGG_MIN_LANES_ENV, "8")
-    assert agg_vector(spec) == 4
+    if fewest:
+        monkeypatch.setenv(AGG_MIN_LANES_ENV, fewest)
+    assert agg_vector(spec) == (1 if fewest else 4)
     out, ref = _run_split_agg(reduce, weight, indirect, F=32, emulated=True)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 

@@ -186,23 +186,25 @@ def _rows_accumulate(sch, block: str, out: str = "out") -> None:
 
 
 AGG_VECTOR = 4  # features per lane of wide float32 aggregations: one float4 load per edge
-# fewest float4 lanes a row may get: 32 (a warp per row) unless $GCOMP_CUDA_AGG_MIN_LANES
-# says otherwise.  8 lanes would put four 32-feature rows in a warp, four times the gathers
-# in flight per warp, against lanes idling past the shortest of its rows; not yet timed,
-# so a knob that bench.gpu's SpMM runs both ways (``spmm32-lanes8``)
+# fewest float4 lanes a row may get: 8, so four 32-feature rows share a warp (four times
+# the gathers in flight per warp, against lanes idling past the shortest of its rows).
+# On an H200 (2026-11-26) the SpMM at F = 32 took 2.07 ms at Reddit size against 3.48
+# with a warp per row, and 0.135 against 0.138 at arxiv size.  $GCOMP_CUDA_AGG_MIN_LANES
+# overrides it (32: a warp per row), which bench.gpu's SpMM runs beside the default
+AGG_MIN_LANES = 8
 AGG_MIN_LANES_ENV = "GCOMP_CUDA_AGG_MIN_LANES"
 
 
 def agg_vector(spec) -> int:
     """Features per lane of the aggregation ``spec``: ``AGG_VECTOR`` for the split form
-    over float32 rows of at least 128 features (a warp per row, each lane loading a
-    float4 of the gathered row, once per edge its index and weight), else 1 (a lane per
-    feature).  A vector stays within a head (TVM 0.27 cannot vectorize a loop whose
+    over float32 rows of at least 4 x ``AGG_MIN_LANES`` features (each lane loading a
+    float4 of the gathered row, once per edge its index and weight; a warp per row from
+    128 features, several rows a warp below), else 1 (a lane per feature).  A vector stays within a head (TVM 0.27 cannot vectorize a loop whose
     vectors straddle two heads' channels), and bfloat16 storage keeps a lane per feature
     (TVM 0.27 miscompiles a variable bound to a widened bfloat16 load)."""
     p = spec.p
     lanes = p["H"] * p["C"] // AGG_VECTOR
-    fewest = int(os.environ.get(AGG_MIN_LANES_ENV, "32"))
+    fewest = int(os.environ.get(AGG_MIN_LANES_ENV, AGG_MIN_LANES))
     wide = (p.get("split") and not p.get("bf16") and p["C"] % AGG_VECTOR == 0
             and lanes >= fewest)
     return AGG_VECTOR if wide and lanes_for(lanes) == lanes else 1
