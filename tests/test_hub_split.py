@@ -142,16 +142,22 @@ def test_scheduled_split_kernel_matches_scipy(reduce, weight, indirect, F):
 @pytest.mark.parametrize("fewest", [None, "32"])
 def test_32_feature_rows_match_scipy(reduce, weight, indirect, fewest, monkeypatch):
     """32-feature rows: by default 8 lanes of float4, four rows a warp, rows of unequal
-    lengths side by side; with ``GCOMP_CUDA_AGG_MIN_LANES=32`` a warp per row, a lane per
-    feature (bench.gpu times it beside the default)."""
+    lengths side by side (64 features: two rows a warp); with
+    ``GCOMP_CUDA_AGG_MIN_LANES=32`` a warp per row, a lane per feature (bench.gpu times
+    it beside the default)."""
     from gcomp.schedules.cuda import AGG_MIN_LANES_ENV, agg_vector
     spec = KernelSpec.make("csr_agg", reduce=reduce, H=1, C=32, weight=weight,
                            indirect=indirect, split=True)
     if fewest:
         monkeypatch.setenv(AGG_MIN_LANES_ENV, fewest)
     assert agg_vector(spec) == (1 if fewest else 4)
-    out, ref = _run_split_agg(reduce, weight, indirect, F=32, emulated=True)
-    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    for C, vector in ((64, 4), (40, 1), (48, 1)):  # 16 lanes tile a warp; 10 and 12 do not
+        wider = KernelSpec.make("csr_agg", reduce=reduce, H=1, C=C, weight=weight,
+                                indirect=indirect, split=True)
+        assert agg_vector(wider) == (1 if fewest else vector)
+    for F in (32, 64) if not fewest else (32,):  # four rows a warp, two rows a warp
+        out, ref = _run_split_agg(reduce, weight, indirect, F=F, emulated=True)
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_cuda_plans_call_the_split_kernel():

@@ -199,14 +199,15 @@ def agg_vector(spec) -> int:
     """Features per lane of the aggregation ``spec``: ``AGG_VECTOR`` for the split form
     over float32 rows of at least 4 x ``AGG_MIN_LANES`` features (each lane loading a
     float4 of the gathered row, once per edge its index and weight; a warp per row from
-    128 features, several rows a warp below), else 1 (a lane per feature).  A vector stays within a head (TVM 0.27 cannot vectorize a loop whose
+    128 features, below that 2 or 4 rows a warp, never a row across two warps: 40
+    features keep a lane each, as timed in the epochs), else 1 (a lane per feature).  A vector stays within a head (TVM 0.27 cannot vectorize a loop whose
     vectors straddle two heads' channels), and bfloat16 storage keeps a lane per feature
     (TVM 0.27 miscompiles a variable bound to a widened bfloat16 load)."""
     p = spec.p
     lanes = p["H"] * p["C"] // AGG_VECTOR
     fewest = int(os.environ.get(AGG_MIN_LANES_ENV, AGG_MIN_LANES))
     wide = (p.get("split") and not p.get("bf16") and p["C"] % AGG_VECTOR == 0
-            and lanes >= fewest)
+            and lanes >= fewest and (lanes >= 32 or 32 % lanes == 0))
     return AGG_VECTOR if wide and lanes_for(lanes) == lanes else 1
 
 
