@@ -202,7 +202,8 @@ def cmd_explain(args) -> int:
                         optimizer=_optimizer_from_args(args) if args.train else None,
                         precision=args.precision)
     g = art.graphs["training"] if args.train else art.graphs["inference"]
-    report = explain(g, {"inference": art.plan, "training": art.train_plan}, graph_data)
+    report = explain(g, {"inference": art.plan, "training": art.train_plan}, graph_data,
+                     gpu=art.target["kind"] == "cuda")
     print(json.dumps(report, indent=1) if args.json else render(report))
     return 0
 

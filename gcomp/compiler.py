@@ -164,7 +164,7 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
     if graph is not None:
         for p in (plan, train_plan):
             if p is not None:
-                specialize(p, graph)
+                specialize(p, graph, gpu=tgt["kind"] == "cuda")
         specs = _used(specs, [plan, train_plan])
     if precision == "bf16":
         store_bf16([plan, train_plan], specs, tgt)

@@ -20,11 +20,12 @@ from gcomp.runtime.features import sparse_enough
 from gcomp.runtime.plan import Plan
 
 
-def specialize(plan: Plan, graph: GraphData) -> dict:
-    """Prune ``plan`` in place for ``graph``; returns the decisions (``plan.specialized``)."""
+def specialize(plan: Plan, graph: GraphData, gpu: bool = False) -> dict:
+    """Prune ``plan`` in place for ``graph``; returns the decisions (``plan.specialized``);
+    ``gpu``: the plan's kernels are CUDA's (their node order rule)."""
     from gcomp.runtime.executor import decide_layout
 
-    layout = decide_layout(plan, graph)
+    layout = decide_layout(plan, graph, gpu=gpu)
     record = {"graph": graph.name, "nodes": graph.num_nodes, "edges": graph.num_edges,
               "node_order": layout.reorder["chosen"], "formats": dict(layout.chosen),
               "sparse_features": {}}

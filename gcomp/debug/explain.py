@@ -37,8 +37,9 @@ def _node_row(buf: dict) -> int:
     return int(np.prod([d for d in buf["dims"][1:]], dtype=np.int64))
 
 
-def explain(graph: Graph, plans: dict, graph_data=None) -> dict:
-    """A JSON-able report; ``plans`` maps "inference"/"training" to plans."""
+def explain(graph: Graph, plans: dict, graph_data=None, gpu: bool = False) -> dict:
+    """A JSON-able report; ``plans`` maps "inference"/"training" to plans; ``gpu``: they
+    are CUDA plans (the node order follows the GPU's rule)."""
     report: dict = {"model": graph.name, "fusion": [], "attention": [], "reorder": [],
                     "hoisted": [], "per_feed": [],
                     "sparse_features": [], "kernels": {},
@@ -104,7 +105,7 @@ def explain(graph: Graph, plans: dict, graph_data=None) -> dict:
         report["graph"] = graph_stats(graph_data)
         from gcomp.runtime.executor import decide_layout
         plan = plans.get("training") or plans["inference"]
-        layout = decide_layout(plan, graph_data)
+        layout = decide_layout(plan, graph_data, gpu=gpu)
         report["reorder_nodes"] = layout.reorder
         report["formats"] = layout.formats
         for entry in report["sparse_features"]:
@@ -196,8 +197,10 @@ def render(report: dict) -> str:
     if "reorder_nodes" in report:
         r = report["reorder_nodes"]
         dist = ", ".join(f"{k} {v:,.0f}" for k, v in r["mean_distance"].items())
-        lines.append(f"node order: {r['chosen']} (working set {r['working_set_bytes'] / 2**20:.1f} "
-                     f"MiB vs cache {r['cache_bytes'] / 2**20:.0f} MiB; mean gather distance in "
+        basis = (f"working set {r['working_set_bytes'] / 2**20:.1f} MiB vs cache "
+                 f"{r['cache_bytes'] / 2**20:.0f} MiB" if "cache_bytes" in r else
+                 f"GPU, degrees' CV {r['degree_cv']:.1f}" if "degree_cv" in r else "GPU")
+        lines.append(f"node order: {r['chosen']} ({basis}; mean gather distance in "
                      f"rows: {dist}{'; ' + r['reason'] if 'reason' in r else ''})")
     if "format_costs" in report:
         costs = "; ".join(f"{w} features: csr {c['csr_edge_ns']:.2f} ns/edge + "

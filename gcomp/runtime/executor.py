@@ -141,13 +141,14 @@ def structures_of(plan: Plan, graph: GraphData, order) -> dict[str, GraphStructu
 
 
 def decide_layout(plan: Plan, graph: GraphData, features: dict | None = None,
-                  reorder: str = "auto", formats: str = "auto", structures=None) -> Layout:
+                  reorder: str = "auto", formats: str = "auto", structures=None,
+                  gpu: bool = False) -> Layout:
     """The node order and adjacency formats for ``graph`` (numpy only, no device):
     the order by the gather-distance model, then the formats by theirs; when the banded
     format is wanted, or would be the fastest in a band as narrow as the degrees allow,
     reverse Cuthill-McKee is tried and kept if it narrows the band.
     ``structures(graph, order)`` builds the graph values (default ``structures_of``; the
-    distributed runtime builds shards)."""
+    distributed runtime builds shards); ``gpu``: the order for CUDA's kernels."""
     structures = structures or (lambda g, o: structures_of(plan, g, o))
 
     def arrange(order):
@@ -170,7 +171,7 @@ def decide_layout(plan: Plan, graph: GraphData, features: dict | None = None,
             return {}, {}
         return fmts.choose(plan, sizes, block, narrowest, mode)
 
-    order, reorder_report = choose_order(graph, row_bytes(plan), reorder)
+    order, reorder_report = choose_order(graph, row_bytes(plan), reorder, gpu)
     g, f, st, sizes, block = arrange(order)
     narrowest = fmts.narrowest_block(graph.edge_index, graph.num_nodes) if use_formats else None
     chosen, report = choose(sizes, block, "auto", narrowest)
@@ -265,7 +266,7 @@ class Executor:
         t0 = time.perf_counter()
         user_graph, user_features = graph, features
         lay = decide_layout(self.plan, graph, features, self.reorder, self.formats,
-                            self._structures)
+                            self._structures, gpu=not self.on_cpu)
         order, graph, features, structures, sizes = (lay.order, lay.graph, lay.features,
                                                      lay.structures, lay.sizes)
         active, sparse = self.choose_variants(graph, features)
