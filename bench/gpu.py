@@ -184,10 +184,11 @@ def device_used() -> int:
 
 
 # ---------------------------------------------------------------------------- gcomp
-def gcomp_inference(art, w, reps, warmup, graphs=False) -> tuple[dict, np.ndarray]:
+def gcomp_inference(art, w, reps, warmup, graphs=False,
+                    reorder: str = "auto") -> tuple[dict, np.ndarray]:
     before = device_used()
     ex = art.executor()
-    ex.cuda_graphs = graphs
+    ex.cuda_graphs, ex.reorder = graphs, reorder
     b = ex.bind(w.graph)
     b = ex.feed(b, {"x": w.x})
     ex.execute(b)
@@ -195,16 +196,21 @@ def gcomp_inference(art, w, reps, warmup, graphs=False) -> tuple[dict, np.ndarra
     res = summary(timed(lambda: ex.execute(b), ex.sync, reps, warmup))
     res["device_bytes"] = device_used() - before
     res["bind_s"] = b.bind_time_s
+    res["node_order"] = b.reorder["chosen"]
     return res, out
 
 
-def gcomp_training(art, w, reps, warmup, profile: bool, graphs=False) -> dict:
+def gcomp_training(art, w, reps, warmup, profile: bool, graphs=False,
+                   reorder: str = "auto") -> dict:
+    """A training epoch's time and device memory; ``reorder``: the node order when the
+    graph is bound (``auto``: the runtime's rule; ``none``: the graph's own)."""
     from gcomp.runtime.trainer import Trainer
     before = device_used()
-    tr = Trainer(art, w.graph)
+    tr = Trainer(art, w.graph, reorder=reorder)
     tr.train_ex.cuda_graphs = graphs
     res = summary(timed(tr.step, tr.train_ex.sync, reps, warmup))
     res["device_bytes"] = device_used() - before
+    res["node_order"] = tr._binding.reorder["chosen"]
     res["final_loss"] = tr.step()
     if profile:
         res["kernels"] = kernel_profile(tr, reps)
@@ -366,7 +372,7 @@ def run(args, save) -> dict:
     result = {"command": " ".join(sys.argv), "when": datetime.now(timezone.utc).isoformat(),
               "device": torch.cuda.get_device_name(), "versions": versions(tvm_version()),
               "layers": LAYERS, "hidden": HIDDEN, "heads": HEADS, "reps": args.reps,
-              "warmup": args.warmup, "cases": [], "spmm": [],
+              "warmup": args.warmup, "reorder": args.reorder, "cases": [], "spmm": [],
               **(json.loads((d / PREPARED).read_text()) if (d / PREPARED).exists()
                  else {"prefer": "speed"})}
     for graph in args.graphs:
@@ -392,14 +398,15 @@ def run(args, save) -> dict:
                         try:
                             if mode == "inference":
                                 case[k], o = gcomp_inference(art, w, args.reps, args.warmup,
-                                                             graphs)
+                                                             graphs, args.reorder)
                                 if graphs:  # the replay against the eager launches
                                     case[k]["rel_err_vs_eager"] = rel_err(o, outs[prec])
                                 else:
                                     outs[prec] = o
                             else:
                                 case[k] = gcomp_training(art, w, args.reps, args.warmup,
-                                                         args.profile and not graphs, graphs)
+                                                         args.profile and not graphs, graphs,
+                                                         args.reorder)
                         except Exception as e:  # noqa: BLE001 - report it with the case, run the rest
                             traceback.print_exc()
                             case[k] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -472,7 +479,9 @@ def markdown(res: dict) -> str:
              f"median of {res['reps']} after {res['warmup']} warm-ups"
              + (".  gcomp's training steps compiled with `--prefer memory`."
                 if res.get("prefer") == "memory" else ".")
-             + "".join(f"  Compiled with {k}={v}." for k, v in res.get("knobs", {}).items()),
+             + "".join(f"  Compiled with {k}={v}." for k, v in res.get("knobs", {}).items())
+             + (f"  gcomp bound the graphs with `--reorder {res['reorder']}`."
+                if res.get("reorder", "auto") != "auto" else ""),
              ""]
     if res["spmm"]:
         lines += ["| graph | F | gcomp SpMM ms | cuSPARSE ms | ratio | rel err | a warp per "
@@ -574,6 +583,9 @@ def main(argv=None) -> int:
                    help="prepare: the training steps' pass option (see gcomp compile)")
     p.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE",
                    help=f"prepare: a schedule tuning knob set while compiling ({', '.join(KNOBS)})")
+    p.add_argument("--reorder", default="auto", choices=["auto", "none", "rcm", "degree"],
+                   help="run: gcomp's node order when a graph is bound (auto: the "
+                        "runtime's rule, degree order for skewed graphs on a GPU)")
     p.add_argument("--precisions", default="fp32",
                    help="fp32 and/or bf16: gcomp's builds to prepare and time")
     p.add_argument("--out", default="bench/results/gpu")

@@ -143,3 +143,13 @@ def test_report_of_cuda_graph_replays_without_peers():
     assert "| graph | model | mode | gcomp ms | gcomp MiB | vs best PyG |\n|---|---|---|---|---|---|" in md
     assert "| pubmed-synth | gin | training | 0.65 | 66 | - |" in md
     assert "| gcomp | 0.648 | 0.594 | 1.09x | loss 1.098504 / 1.098504 |" in md
+
+
+def test_report_names_a_node_order_other_than_the_default():
+    """``run --reorder none`` (the epochs in the graph's own order, to set beside the GPU's
+    degree order): the report says so; the default says nothing."""
+    assert "--reorder none" in gpu.markdown(_run_result(reorder="none"))
+    assert "--reorder" not in gpu.markdown(_run_result(reorder="auto"))
+    assert "--reorder" not in gpu.markdown(_run_result())  # results recorded before it
+    with pytest.raises(SystemExit):
+        gpu.main(["run", "somewhere", "--reorder", "sideways"])
