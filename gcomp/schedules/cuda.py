@@ -192,6 +192,7 @@ AGG_VECTOR = 4  # features per lane of wide float32 aggregations: one float4 loa
 # with a warp per row, and 0.135 against 0.138 at arxiv size.  $GCOMP_CUDA_AGG_MIN_LANES
 # overrides it (32: a warp per row), which bench.gpu's SpMM runs beside the default
 AGG_MIN_LANES = 8
+WARP = 32  # threads of a warp: narrower rows must tile it exactly
 AGG_MIN_LANES_ENV = "GCOMP_CUDA_AGG_MIN_LANES"
 
 
@@ -200,14 +201,15 @@ def agg_vector(spec) -> int:
     over float32 rows of at least 4 x ``AGG_MIN_LANES`` features (each lane loading a
     float4 of the gathered row, once per edge its index and weight; a warp per row from
     128 features, below that 2 or 4 rows a warp, never a row across two warps: 40
-    features keep a lane each, as timed in the epochs), else 1 (a lane per feature).  A vector stays within a head (TVM 0.27 cannot vectorize a loop whose
-    vectors straddle two heads' channels), and bfloat16 storage keeps a lane per feature
-    (TVM 0.27 miscompiles a variable bound to a widened bfloat16 load)."""
+    features keep a lane each, as timed in the epochs), else 1 (a lane per feature).  A
+    vector stays within a head (TVM 0.27 cannot vectorize a loop whose vectors straddle
+    two heads' channels), and bfloat16 storage keeps a lane per feature (TVM 0.27
+    miscompiles a variable bound to a widened bfloat16 load)."""
     p = spec.p
     lanes = p["H"] * p["C"] // AGG_VECTOR
     fewest = int(os.environ.get(AGG_MIN_LANES_ENV, AGG_MIN_LANES))
     wide = (p.get("split") and not p.get("bf16") and p["C"] % AGG_VECTOR == 0
-            and lanes >= fewest and (lanes >= 32 or 32 % lanes == 0))
+            and lanes >= fewest and (lanes >= WARP or WARP % lanes == 0))
     return AGG_VECTOR if wide and lanes_for(lanes) == lanes else 1
 
 
@@ -313,30 +315,18 @@ def _edge_dot(sch) -> None:
 
 
 # ---------------------------------------------------------------------- dense kernels
-def _in_shared_at(sch, name: str, at):
-    """Staging block ``name`` in shared memory, copied anew at loop ``at``; returns it
-    and its last two loops (the tile's rows and columns)."""
-    stage = sch.get_sblock(name)
-    sch.set_scope(stage, 0, "shared")
-    sch.compute_at(stage, at, preserve_unit_loops=True)
-    return stage, sch.get_loops(stage)[-2:]
-
-
-def _copy_by_all(sch, loops, ny: int, nx: int) -> None:
-    """The copy loops ``loops`` fused and shared by all ``ny`` x ``nx`` threads of the
-    block, neighbouring threads on neighbouring iterations."""
-    _, fy, fx = sch.split(sch.fuse(*loops), [None, ny, nx])
-    sch.bind(fy, "threadIdx.y")
-    sch.bind(fx, "threadIdx.x")
-
-
 def _stage_in_shared(sch, names, at, ny: int, nx: int) -> None:
     """The staging blocks ``names`` (a tile of an operand, zero-padded in the definition)
     in shared memory, copied anew at loop ``at`` by all ``ny`` x ``nx`` threads of the
     block, neighbouring threads on neighbouring floats; each copies whole elements (the
     tile plans make the sizes divide)."""
     for name in names:
-        _copy_by_all(sch, _in_shared_at(sch, name, at)[1], ny, nx)
+        stage = sch.get_sblock(name)
+        sch.set_scope(stage, 0, "shared")
+        sch.compute_at(stage, at, preserve_unit_loops=True)
+        _, fy, fx = sch.split(sch.fuse(*sch.get_loops(stage)[-2:]), [None, ny, nx])
+        sch.bind(fy, "threadIdx.y")
+        sch.bind(fx, "threadIdx.x")
 
 
 def _matmul(sch, K: int, M: int) -> None:
