@@ -443,7 +443,7 @@ class _Lowering:
         self._degree(n, g, w, "in", deg)
         self.buffer(n)
         spec = KernelSpec.make("sym_norm", weighted=w is not None)
-        args = [self.garr(g, "rows"), self.garr(g, "indices"), self.arg(deg)]
+        args = [self.garr(g, "indptr"), self.garr(g, "indices"), self.arg(deg)]
         self.step(n, spec, args + ([self.arg(w)] if w is not None else []) + [self.arg(n)])
 
     # -------------------------------------------------------------- message passing

@@ -66,6 +66,7 @@ DEFINITION_PARAMS = {
     "cross_entropy_grad": {"gpu": True},
     "matmul": {"gpu": True},
     "matmul_tn": {"gpu": True},
+    "sym_norm": {"lanes": 32},  # a warp per row: hub rows of 2M edges on Reddit-size
 }
 
 
