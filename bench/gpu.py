@@ -210,7 +210,7 @@ def gcomp_training(art, w, reps, warmup, profile: bool, graphs=False,
     tr.train_ex.cuda_graphs = graphs
     res = summary(timed(tr.step, tr.train_ex.sync, reps, warmup))
     res["device_bytes"] = device_used() - before
-    res["node_order"] = tr._binding.reorder["chosen"]
+    res["node_order"] = tr.node_order
     res["final_loss"] = tr.step()
     if profile:
         res["kernels"] = kernel_profile(tr, reps)

@@ -387,7 +387,7 @@ def _train(args, comm=None) -> int:
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "planned_mb": trainer._binding.memory["total_bytes"] / 2**20,
         "step": trainer.step_count,
-        "node_order": trainer._binding.reorder.get("chosen"),
+        "node_order": trainer.node_order,
         "formats": {k: v["chosen"] for k, v in trainer._binding.formats.items()},
         **(best if args.best_val else {}),
     }

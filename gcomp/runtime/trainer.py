@@ -100,6 +100,11 @@ class Trainer:
         self._binding = self.train_ex.feed(self._binding, feeds)
         self._x = x
 
+    @property
+    def node_order(self) -> str:
+        """The node order the training graph was bound in (``runtime/reorder.py``)."""
+        return self._binding.reorder["chosen"]
+
     def _num_classes(self) -> int:
         out = self.artifact.plan.outputs[0]
         return int(out["dims"][-1])
