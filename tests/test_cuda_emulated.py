@@ -90,13 +90,15 @@ def _graph_arrays(plan) -> set:
 @pytest.mark.parametrize("name", ["gcn", "sage", "gin", "ggnn"])
 def test_training_step_with_atomic_scatters_against_the_cpu_build(name):
     """``prefer: memory`` on CUDA: the backward aggregations scatter over the forward CSR
-    with atomics, so the plan reads no transposed graph; on the hub graph (its tasks
-    scatter too) the step matches the CPU build.  ``deterministic`` keeps the gathers."""
+    with atomics, so the plan reads no transposed graph, and no per-edge row ids (GCN's
+    normalization walks ``indptr``): the forward CSR and the hub tasks alone; on the hub
+    graph (its tasks scatter too) the step matches the CPU build.  ``deterministic``
+    keeps the gathers."""
     from gcomp.passes import PassContext
     g = hub_graph()
     m = models.build(name, 16, hidden=32, out_channels=4, layers=2, dropout=0.2, seed=1)
     art = compile_model(m, "cuda", train=True, ctx=PassContext(options={"prefer": "memory"}))
-    assert not any(a.startswith("csc_") for a in _graph_arrays(art.train_plan))
+    assert _graph_arrays(art.train_plan) == {"indptr", "indices", "hub_rows", "hub_tasks"}
     assert art.info()["deterministic"] is False
     kept = compile_model(m, "cuda", train=True, ctx=PassContext(
         options={"prefer": "memory", "deterministic": True}))
@@ -299,12 +301,21 @@ def test_loss_and_its_gradient_against_numpy(C, n):
     np.testing.assert_allclose(dz, ref_dz, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.parametrize("knobs", [{}, {"GCOMP_CUDA_MM_ROWS": "0"},
+                                   {"GCOMP_CUDA_MM_RESULTS": "32", "GCOMP_CUDA_MM_ROWS": "0"}])
 @pytest.mark.parametrize("K,M,n", [(128, 32, 1000), (32, 40, 77), (602, 41, 50), (3, 7, 5),
                                    (1433, 16, 40), (64, 384, 130)])
-def test_products_against_numpy(K, M, n):
+def test_products_against_numpy(K, M, n, knobs, monkeypatch):
     """The GPU product as scheduled (x's and w's tiles staged in shared memory, a register
     tile per thread); rows past n and padded columns never stored; with the bias and relu
-    epilogue; against numpy in float64."""
+    epilogue; against numpy in float64.  Also with the tuning knobs: no limit on a
+    block's rows (64 by default), and then 32 results a thread."""
+    from gcomp.codegen.dense_kernels import MM_RESULTS_ENV, MM_ROWS_ENV, gpu_mm_tiles
+    for key, value in knobs.items():
+        monkeypatch.setenv(key, value)
+    tiles = gpu_mm_tiles(K, M)
+    assert tiles.R <= 64 or knobs.get(MM_ROWS_ENV) == "0"
+    assert MM_RESULTS_ENV not in knobs or tiles.ta * tiles.tb >= 32
     from gcomp.codegen.kernels import KernelSpec
     from gcomp.debug.cuda_emulator import EmulatedLibrary
     rng = np.random.default_rng(K + M + n)

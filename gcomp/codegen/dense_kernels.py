@@ -156,14 +156,24 @@ class MmTiles:
 def gpu_mm_tiles(K: int, M: int) -> MmTiles:
     """The tiling of the GPU ``matmul`` for [n, K] @ [K, M]: every thread split divides its
     (padded) axis (``gpu_tn_tiles`` says why), each thread copies whole elements of both
-    staged tiles; preferred: 128 threads or more, then up to 16 results per thread less
-    the padding, then more threads, then longer k steps (fewer synchronizations)."""
+    staged tiles; preferred: 128 threads or more, then up to ``$GCOMP_CUDA_MM_RESULTS``
+    (16) results per thread less the padding, then more threads, then longer k steps
+    (fewer synchronizations).  A block takes at most ``$GCOMP_CUDA_MM_ROWS`` rows (64; 0:
+    no limit).  Timed on the H200 as knobs (``bench.gpu --knob``, GIN's arxiv-size
+    products, 2026-11-26 19:27): without a row limit the 128 -> 32 product ran 1,323
+    blocks of 128 rows (1.25 waves at 8 blocks an SM); 64 rows a block (2,646 blocks of
+    128 threads) took GIN's 12 products from 0.370 to 0.349 ms, 8 of their 9 kernels
+    faster (128 -> 32 with its epilogue 0.062 -> 0.057 ms), one slower (40 -> 40 with a
+    bias, 0.033 -> 0.038).  32 results a thread without a row limit (an 8 x 4 tile: 12 shared loads per
+    32 multiply-adds, where 8 x 2 makes 10 per 16) made them slower, 0.370 -> 0.418."""
+    most_results = int(os.environ.get(MM_RESULTS_ENV, "16"))
+    most_rows = int(os.environ.get(MM_ROWS_ENV, "64")) or None
     best = None
     for tb, nx, Mp in _column_tiles(M):
         for ta in range(1, 9):
             for ny in {1, 2, 4, 8, 16, 32, 64, 128, 256}:
                 threads = nx * ny
-                if threads > GPU_TN_THREADS:
+                if threads > GPU_TN_THREADS or (most_rows and ny * ta > most_rows):
                     continue
                 for KT in (32, 16, 8):
                     R, Kp = ny * ta, _round_up(K, KT)
@@ -172,7 +182,8 @@ def gpu_mm_tiles(K: int, M: int) -> MmTiles:
                     if (R * KT + KT * Mp) * 4 > GPU_TN_SHARED:
                         continue
                     useful = K * M / (Kp * Mp)
-                    key = (min(threads, 128), round(min(ta * tb, 16) * useful, 1), threads, KT)
+                    key = (min(threads, 128), round(min(ta * tb, most_results) * useful, 1),
+                           threads, KT)
                     if best is None or key > best[0]:
                         best = (key, MmTiles(ta, tb, nx, ny, KT, Kp, Mp))
     if best is None:
@@ -519,6 +530,8 @@ GPU_TN_PARTIALS = 1 << 21  # floats of chunk partials at most (8 MiB)
 GPU_TN_SHARED = 40 * 1024  # bytes of staged rows per block (the static limit is 48 KiB)
 GPU_TN_SUM_LANES = 32  # threads (a warp) adding one result element's chunk partials
 TN_ROWS_ENV = "GCOMP_CUDA_TN_ROWS"  # fewest rows of x and y a weight-gradient block stages
+MM_RESULTS_ENV = "GCOMP_CUDA_MM_RESULTS"  # most results per thread of a product
+MM_ROWS_ENV = "GCOMP_CUDA_MM_ROWS"  # most rows per block of a product (0: no limit)
 
 
 def _round_up(v: int, m: int) -> int:
