@@ -66,12 +66,21 @@ def spmm_case(g, width: int, reps: int, warmup: int) -> dict:
         b = ex.feed(ex.bind(g), {"x": x})
         ex.execute(b)
         err = np.abs(ex.outputs(b)[0] - ref).max() / np.abs(ref).max()
-        if err > 1e-5:
+        if err > 1e-4:  # float32 sums over rows of up to 22,897 terms
             raise AssertionError(f"SpMM in {order} order: relative error {err:.1e} against scipy")
-        runs[order] = (lambda ex=ex, b=b: ex.execute(b))
+        runs[order] = (lambda ex=ex, b=b: _aggregate(ex, b))
         chosen[order], bind_s[order] = b.reorder["chosen"], b.bind_time_s
+    kernels = [s["kernel"] for s, _, _ in b.feed_steps] + [s["kernel"] for s in b.plan_steps]
     return {"case": f"SpMM F={width}", "median_ms": _alternate(runs, reps, warmup),
-            "chosen": chosen, "bind_s": bind_s}
+            "chosen": chosen, "bind_s": bind_s, "kernels": kernels}
+
+
+def _aggregate(ex, b) -> None:
+    """The SpMM's whole work: a sum over x, an input, runs when x is fed (its feed steps),
+    so executing the binding alone would time nothing."""
+    for _, fn, fargs in b.feed_steps:
+        fn(*fargs)
+    ex.execute(b)
 
 
 def training_case(g, name: str, reps: int, warmup: int) -> dict:
