@@ -164,8 +164,9 @@ def gpu_mm_tiles(K: int, M: int) -> MmTiles:
     blocks of 128 rows (1.25 waves at 8 blocks an SM); 64 rows a block (2,646 blocks of
     128 threads) took GIN's 12 products from 0.370 to 0.349 ms, 8 of their 9 kernels
     faster (128 -> 32 with its epilogue 0.062 -> 0.057 ms), one slower (40 -> 40 with a
-    bias, 0.033 -> 0.038).  32 results a thread without a row limit (an 8 x 4 tile: 12 shared loads per
-    32 multiply-adds, where 8 x 2 makes 10 per 16) made them slower, 0.370 -> 0.418."""
+    bias, 0.033 -> 0.038).  32 results a thread without a row limit (an 8 x 4 tile: 12
+    shared loads per 32 multiply-adds, where 8 x 2 makes 10 per 16) made them slower,
+    0.370 -> 0.418."""
     most_results = int(os.environ.get(MM_RESULTS_ENV, "16"))
     most_rows = int(os.environ.get(MM_ROWS_ENV, "64")) or None
     best = None
