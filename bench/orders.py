@@ -51,7 +51,7 @@ def _alternate(calls: dict, reps: int, warmup: int) -> dict:
 def spmm_case(g, width: int, reps: int, warmup: int) -> dict:
     import scipy.sparse as sp
 
-    from bench.gpu import spmm_model
+    from bench.gpu import aggregate, spmm_model
     from gcomp.compiler import compile_model
     from gcomp.runtime.executor import Executor
     art = compile_model(spmm_model(width), "llvm")
@@ -68,19 +68,12 @@ def spmm_case(g, width: int, reps: int, warmup: int) -> dict:
         err = np.abs(ex.outputs(b)[0] - ref).max() / np.abs(ref).max()
         if err > 1e-4:  # float32 sums over rows of up to 22,897 terms
             raise AssertionError(f"SpMM in {order} order: relative error {err:.1e} against scipy")
-        runs[order] = (lambda ex=ex, b=b: _aggregate(ex, b))
+        runs[order] = (lambda ex=ex, b=b: aggregate(ex, b))
         chosen[order], bind_s[order] = b.reorder["chosen"], b.bind_time_s
     kernels = [s["kernel"] for s, _, _ in b.feed_steps] + [s["kernel"] for s in b.plan_steps]
     return {"case": f"SpMM F={width}", "median_ms": _alternate(runs, reps, warmup),
             "chosen": chosen, "bind_s": bind_s, "kernels": kernels}
 
-
-def _aggregate(ex, b) -> None:
-    """The SpMM's whole work: a sum over x, an input, runs when x is fed (its feed steps),
-    so executing the binding alone would time nothing."""
-    for _, fn, fargs in b.feed_steps:
-        fn(*fargs)
-    ex.execute(b)
 
 
 def training_case(g, name: str, reps: int, warmup: int) -> dict:
