@@ -270,15 +270,16 @@ def test_weight_gradient_in_row_blocks(K, M, tuning):
     """The CPU x.T @ y (weight gradients) adds blocks of rows into register tiles of the
     result, as each tuning sizes them, compiled for this machine: row counts that leave
     blocks and chunks short or empty, widths the vector unit does not divide, K without a
-    tile that divides it, wide results in column tiles."""
+    tile that divides it, wide results in column tiles, chunks of several blocks (each
+    prefetching the next, the last past the end)."""
     import tvm
     from gcomp.codegen.build import make_target
-    from gcomp.codegen.cpu_kernels import _matmul_tn_tile, matmul_tn
+    from gcomp.codegen.cpu_kernels import TN_BLOCK, _matmul_tn_tile, matmul_tn
     assert _matmul_tn_tile(K, M, tuning) is not None
     func = matmul_tn(K, M, tuning=tuning).with_attr("global_symbol", "tn")
     fn = tvm.compile(tvm.IRModule({"tn": func}), target=tvm.target.Target(make_target("llvm")))["tn"]
     rng = np.random.default_rng(K + M)
-    for n in (0, 1, 15, 17, 16 * 16 + 3, 1000):
+    for n in (0, 1, 15, 17, 16 * 16 + 3, 1000, 16 * 3 * TN_BLOCK + 5):
         x = rng.standard_normal((n, K)).astype(np.float32)
         y = rng.standard_normal((n, M)).astype(np.float32)
         out = tvm.runtime.tensor(np.full((K, M), np.nan, np.float32))

@@ -48,10 +48,11 @@ PREFETCH_DISTANCE = 32  # edges ahead: measured best of 16 / 32 / 64 / 128 at 32
 PREFETCH_LINES = 8      # cache lines prefetched per row (longer rows: the stream prefetcher)
 VEC = 16                # floats per vector chunk
 PREFETCH_BYTES = 8192   # how far ahead the dense kernels prefetch the rows they stream
-# rows per block of the weight-gradient product (x and y rows in L1); x rows of 128 or
-# more values take 64, so the K / TA accumulator tiles are loaded and stored a quarter as
-# often (128 x 32 on arxiv-synth: 9.4 -> 8.0 ms; 32 x 32 is fastest at 16, interleaved)
-TN_BLOCK, TN_BLOCK_LONG = 16, 64
+# rows per block of the weight-gradient product (x and y rows in L1).  AMD EPYC Zen 3,
+# arxiv-size rows, 2 threads, interleaved, with the next block's prefetches spread over
+# the tiles: 32 x 32 3.2 ms at 32 rows (3.5 at 64, 4.4 at 128), 40 x 32 4.9 (5.3, 5.4),
+# 128 x 32 11.7 (11.7 at 64, 15.1 at 96), 128 x 128 47.0 (59.3 at 64)
+TN_BLOCK = 32
 # floats of row-group sums a matmul keeps in registers under the ``avx2`` tuning (16
 # registers of 8 floats; groups of at most 4 rows; 8 rows of at most 16 columns where x
 # rows hold 256 values or more).  AMD EPYC Zen 3, arxiv-size rows, 2 threads, interleaved runs:
@@ -160,6 +161,28 @@ def _prefetch_rows(x, first, rows: int, width: int, n, write: bool = False) -> N
         row = tirx.min(first + r, n - 1)
         with T.serial(0, (width + VEC - 1) // VEC) as q:
             _prefetch_line(x, row, q * VEC, write)
+
+
+def _prefetch_share(arrays, first, rows: int, n, share, shares: int) -> None:
+    """Prefetch part ``share`` of ``shares`` of the lines of rows ``first .. first + rows -
+    1`` of each (array, width) in ``arrays`` (rows past ``n - 1`` clamp to it).  Called
+    once per share while the work before those rows runs, it spreads their prefetches
+    over that work: all of a block's lines asked for at once (``_prefetch_rows``) overran
+    the core's queue of outstanding misses and most were dropped (the weight gradient
+    128 x 32 on arxiv-size rows, AMD EPYC Zen 3: 21.1 -> 11.7 ms; 32 x 32 5.1 -> 3.2)."""
+    per_row = [(a, (w + VEC - 1) // VEC) for a, w in arrays]
+    row_lines = sum(lines for _, lines in per_row)
+    each = -(-rows * row_lines // shares)
+    with T.serial(0, each) as u:
+        line = share * each + u
+        row = tirx.min(first + line // row_lines, n - 1)
+        q = line % row_lines
+        with _if(line < rows * row_lines):
+            start = 0
+            for a, lines in per_row:
+                with _if(tirx.all(start <= q, q < start + lines)):
+                    _prefetch_line(a, row, (q - start) * VEC)
+                start += lines
 
 
 def _row_sums(out, i, F: int):
@@ -598,13 +621,13 @@ def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = 16, amx: bool = F
               tuning: str = "default"):
     """out = x.T @ y (x: [n, K], y: [n, M]), weight gradients: ``chunks`` row ranges in
     parallel, each into its own partial [K, M] sum, added up at the end (deterministic).
-    A range is walked in blocks of ``TN_BLOCK`` rows (``TN_BLOCK_LONG`` for long x rows);
-    for each TA x TB tile of the result, the block's rows stream past an accumulator held
-    in registers, so the block (in L1) is read from memory once, not once per tile: the
-    scheduled generic kernel swept each range's rows once per tile (128 x 32 on
-    arxiv-synth: 14.6 ms).  The next block's rows are prefetched while one is added (128 x
-    32 from memory on the Intel machine: 11.4 -> 7.6 ms; 32 x 40 2.8 -> 2.5).  With x or y
-    stored as bfloat16 on a CPU with AMX tiles: the tile kernel (``amx_kernels.py``)."""
+    A range is walked in blocks of ``TN_BLOCK`` rows; for each TA x TB tile of the result,
+    the block's rows stream past an accumulator held in registers, so the block (in L1) is
+    read from memory once, not once per tile: the scheduled generic kernel swept each
+    range's rows once per tile (128 x 32 on arxiv-synth: 14.6 ms).  The next block's rows
+    are prefetched while one is added, each tile asking for its share of their lines
+    (``_prefetch_share``).  With x or y stored as bfloat16 on a CPU with AMX tiles: the
+    tile kernel (``amx_kernels.py``)."""
     if gpu:
         return None
     tile = _matmul_tn_tile(K, M, tuning)
@@ -626,9 +649,13 @@ def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = 16, amx: bool = F
                 lo, hi = _row_range(n, p, P)
                 with T.serial(0, K) as a:
                     _features(M, lambda j: T.buffer_store(part, tirx.const(0.0, f32), [p, a, j]))
-                def tiles(first, rows):
-                    """Add rows first .. first + rows - 1 into the partial sum, tile by tile."""
+                def tiles(first, rows, ahead=None):
+                    """Add rows first .. first + rows - 1 into the partial sum, tile by tile,
+                    prefetching the ``TN_BLOCK`` rows from ``ahead`` on."""
                     with T.grid(K // TA, M // TB) as (a0, b0):
+                        if ahead is not None:
+                            _prefetch_share([(x, K), (y, M)], ahead, TN_BLOCK, n,
+                                            a0 * (M // TB) + b0, (K // TA) * (M // TB))
                         acc = T.alloc_buffer((TA, TB), f32, scope="local")
                         for t in range(TA):
                             _features(TB, lambda j, t=t: T.buffer_store(
@@ -642,12 +669,10 @@ def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = 16, amx: bool = F
                         for t in range(TA):
                             _features(TB, lambda j, t=t: T.buffer_store(
                                 part, acc[t, j], [p, a0 * TA + t, b0 * TB + j]))
-                B = TN_BLOCK_LONG if K >= 128 else TN_BLOCK
+                B = TN_BLOCK
                 full = T.Bind((hi - lo) // B)
                 with T.serial(0, full) as blk:
-                    _prefetch_rows(x, lo + (blk + 1) * B, B, K, n)  # the next block
-                    _prefetch_rows(y, lo + (blk + 1) * B, B, M, n)
-                    tiles(lo + blk * B, B)
+                    tiles(lo + blk * B, B, ahead=lo + (blk + 1) * B)
                 tiles(lo + full * B, hi - lo - full * B)
             with T.parallel(0, K) as a:
                 _features(M, lambda j: T.buffer_store(out, part[0, a, j], [a, j]))
