@@ -240,7 +240,8 @@ def test_matmul_widths(K, M):
                                      ("avx512", 16, 7), ("avx512", 40, 384),
                                      ("avx512", 40, 128),
                                      ("avx2", 128, 32), ("avx2", 128, 128), ("avx2", 500, 16),
-                                     ("avx2", 16, 7), ("avx2", 128, 130), ("avx2", 40, 384)])
+                                     ("avx2", 16, 7), ("avx2", 128, 130), ("avx2", 40, 384),
+                                     ("avx2", 32, 32), ("avx2", 32, 40), ("avx2", 16, 16)])
 def test_matmul_row_groups_of_each_tuning(tuning, K, M):
     """The row-group matmul as each tuning table sizes it (group rows, prefetch distance),
     compiled for this machine: bias and ReLU epilogue, row counts that leave the last group

@@ -58,8 +58,7 @@ TN_BLOCK = 32
 # rows hold 256 values or more).  AMD EPYC Zen 3, arxiv-size rows, 2 threads, interleaved runs:
 # 128 -> 32 22.2 -> 12.2 ms with groups of 2 rows, 128 -> 128 72.8 -> 39.9 with 4 rows in
 # 16-column tiles, 40 -> 384 34.4 -> 15.5 (50k rows) likewise, 500 -> 16 12.9 -> 5.9
-# with 8, 128 -> 130 42.3 -> 35.2 one row at a time; the scheduled row-at-a-time kernel
-# kept for short rows into at most 40 columns (32 -> 32, 32 -> 40: even)
+# with 8, 128 -> 130 42.3 -> 35.2 one row at a time (``_matmul_rows``: short rows too)
 AVX2_ACC_FLOATS = 80
 
 
@@ -97,7 +96,7 @@ def _balanced_rows(indptr, n, name: str = "i"):
     i64 = "int64"
     total = indptr[n] - indptr[0] + n  # indptr may be a view of some rows (distributed)
     with T.parallel(0, PARTS) as t:
-        span = T.alloc_buffer((2,), i64, scope="local")
+        span = _scratch((2,), i64)
 
         def first_row_at(k):
             """The first i whose rows before it hold total * (t + k) / PARTS of the work."""
@@ -127,6 +126,17 @@ def _if(cond):
     with T.If(cond):
         with T.Then():
             yield
+
+
+def _scratch(shape, dtype: str = "float32"):
+    """A small buffer of the loop iteration that allocates it (a row's sums, a head's
+    scores).  Scope "global", not "local": TVM 0.27 keeps a "global" allocation of a
+    constant size under 1,024 bytes on the stack (LowerTVMBuiltin), where LLVM holds it in
+    registers, and turns any "local" one into a TVMBackendAllocWorkspace call and its free
+    in every iteration (the row-group matmul 32 -> 32 on arxiv-size rows, AMD EPYC Zen 3:
+    5.6 -> 3.3 ms).  Larger ones still go to the workspace pool: callers that keep a tile
+    of several rows allocate a buffer per row."""
+    return T.alloc_buffer(shape, dtype, scope="global")
 
 
 def _prefetch_line(x, row, col, write: bool = False) -> None:
@@ -190,7 +200,7 @@ def _row_sums(out, i, F: int):
     summed in a float32 row and stored once; a float32 one in place, in row ``i`` of
     ``out`` (a local row measured 7-9% slower, 32 and 128 features)."""
     if stored_bf16("out"):
-        return T.alloc_buffer((F,), "float32", scope="local"), lambda f: [f]
+        return _scratch((F,)), lambda f: [f]
     return out, lambda f: [i, f]
 
 
@@ -277,7 +287,7 @@ def edge_dot(H: int, C: int):
                     _prefetch(x, indices[tirx.min(j + PREFETCH_DISTANCE, nnz - 1)], F)
                     src = indices[j]
                     with T.serial(0, H) as h:
-                        part = T.alloc_buffer((V,), f32, scope="local")
+                        part = _scratch((V,))
                         T.buffer_store(out, _head_dots(part, V, C, h, lambda f: x[src, f],
                                                        lambda f: y[i, f]), [j, h])
     return ib.get()
@@ -303,9 +313,9 @@ def attention_agg(H: int, C: int, slope: float, p: float = 0.0, seed: int = 0,
             perm, step = bufs.get("perm"), bufs.get("step")
             extra = [bufs[f"e{k}"] for k in range(len(extras))]
             with _balanced_rows(indptr, n) as i:
-                top = T.alloc_buffer((H,), f32, scope="local")
-                total = T.alloc_buffer((H,), f32, scope="local")
-                wt = T.alloc_buffer((H,), f32, scope="local")
+                top = _scratch((H,))
+                total = _scratch((H,))
+                wt = _scratch((H,))
 
                 def score(j, h):
                     return leaky(s_src[indices[j], h] + s_dst[i, h], slope)
@@ -397,8 +407,8 @@ def attention_grad_dst(H: int, C: int, slope: float, p: float = 0.0, seed: int =
             perm, step = bufs.get("perm"), bufs.get("step")
             with _balanced_rows(indptr, n) as i:
                 # rows: max score, l, sum p g, sum p g r, sum p r, then g and p of one edge
-                acc = T.alloc_buffer((7, H), f32, scope="local")
-                part = T.alloc_buffer((V,), f32, scope="local")
+                acc = _scratch((7, H))
+                part = _scratch((V,))
 
                 def z(j, h):
                     return s_src[indices[j], h] + s_dst[i, h]
@@ -457,11 +467,11 @@ def attention_grad_src(H: int, C: int, slope: float, p: float = 0.0, seed: int =
             perm, step = bufs.get("csc_perm"), bufs.get("step")
             with _balanced_rows(indptr, n, name="j") as j:
                 # a, a r, d s_src, and with dropout the coefficient's factor m
-                coef = T.alloc_buffer((4 if p else 3, H), f32, scope="local")
+                coef = _scratch((4 if p else 3, H))
 
                 def m_of(h):
                     return coef[3, h] if p else None
-                part = T.alloc_buffer((V,), f32, scope="local")
+                part = _scratch((V,))
                 _features(F, lambda f: T.buffer_store(out, tirx.const(0.0, f32), [j, f]))
                 _features(H, lambda h: T.buffer_store(coef, tirx.const(0.0, f32), [2, h]))
                 with T.serial(indptr[j], indptr[j + 1]) as k:
@@ -502,7 +512,12 @@ def _matmul_rows(K: int, M: int, tuning: str) -> int | None:
     500 -> 16 5.5 -> 2.7 ms, 1433 -> 16 5.5 -> 2.5 ms), wide outputs over K >= 128 (128 ->
     128 7.5 -> 4.6 ms) and widths the vector unit does not divide (16 -> 7 4.0 -> 1.2 ms);
     rows at a time for short rows into 16 to 64 columns (32 -> 32 2.5 vs 3.7 ms, 128 -> 32
-    16.8 vs 16.9 at best)."""
+    16.8 vs 16.9 at best).  ``avx2`` (AMD EPYC Zen 3, arxiv-size rows, interleaved): groups
+    for every shape since their sums stay on the stack (``_scratch``): 32 -> 32 4.8 ->
+    3.4 ms, 32 -> 40 5.2 -> 3.9, 40 -> 32 5.4 -> 3.7, 16 -> 40 3.7 -> 2.4, 128 -> 32 14.2
+    -> 9.7, all with groups of 2; 128 -> 128 73.7 -> 40.3 with 4 in 16-column tiles.  The
+    other tunings' rules were measured while a group's sums were allocated from TVM's
+    workspace pool in every group."""
     if tuning == "avx512":
         if K < 32 and M % 8 == 0:
             return None
@@ -512,8 +527,6 @@ def _matmul_rows(K: int, M: int, tuning: str) -> int | None:
             R //= 2
         return R if R >= 2 else None
     if tuning == "avx2":
-        if K < 64 and M % 8 == 0 and M <= 40:
-            return None
         floats = -(-_matmul_cols(M, tuning) // 8) * 8
         if K >= 256 and floats <= 16:
             return 8
@@ -571,24 +584,24 @@ def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = (),
             extra = [bufs[f"e{k}"] for k in range(len(extras))]
             ahead = max(1, PREFETCH_BYTES // (R * K * 4))  # groups
             with T.parallel(0, (n + R - 1) // R) as g:
-                acc = T.alloc_buffer((R, TM), f32, scope="local")
+                acc = [_scratch((TM,)) for _ in range(R)]
                 _prefetch_rows(x, (g + ahead) * R, R, K, n)
                 _prefetch_rows(out, (g + ahead) * R, R, M, n, write=True)
                 with T.serial(0, M // TM) as t:
                     for r in range(R):
-                        _features(TM, lambda j, r=r: T.buffer_store(acc, tirx.const(0.0, f32),
-                                                                    [r, j]))
+                        _features(TM, lambda j, r=r: T.buffer_store(acc[r], tirx.const(0.0, f32),
+                                                                    [j]))
                     with T.serial(0, K) as k:
                         for r in range(R):
                             a = bound(x[tirx.min(g * R + r, n - 1), k])
                             _features(TM, lambda j, r=r, a=a: T.buffer_store(
-                                acc, acc[r, j] + a * w[k, t * TM + j], [r, j]))
+                                acc[r], acc[r][j] + a * w[k, t * TM + j], [j]))
                     for r in range(R):
                         i = g * R + r
                         with _if(i < n):
                             def store(j, r=r, i=i):
                                 c = t * TM + j
-                                res = epi.apply(epilogue, acc[r, j],
+                                res = epi.apply(epilogue, acc[r][j],
                                                 lambda e: extra[e][epi.index(extras[e], i, c)])
                                 T.buffer_store(out, res, [i, c])
                             _features(TM, store)
@@ -656,19 +669,19 @@ def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = 16, amx: bool = F
                         if ahead is not None:
                             _prefetch_share([(x, K), (y, M)], ahead, TN_BLOCK, n,
                                             a0 * (M // TB) + b0, (K // TA) * (M // TB))
-                        acc = T.alloc_buffer((TA, TB), f32, scope="local")
+                        acc = [_scratch((TB,)) for _ in range(TA)]
                         for t in range(TA):
                             _features(TB, lambda j, t=t: T.buffer_store(
-                                acc, part[p, a0 * TA + t, b0 * TB + j], [t, j]))
+                                acc[t], part[p, a0 * TA + t, b0 * TB + j], [j]))
                         with T.serial(0, rows) as r:
                             i = first + r
                             for t in range(TA):
                                 v = bound(x[i, a0 * TA + t])
                                 _features(TB, lambda j, t=t, v=v, i=i: T.buffer_store(
-                                    acc, acc[t, j] + v * y[i, b0 * TB + j], [t, j]))
+                                    acc[t], acc[t][j] + v * y[i, b0 * TB + j], [j]))
                         for t in range(TA):
                             _features(TB, lambda j, t=t: T.buffer_store(
-                                part, acc[t, j], [p, a0 * TA + t, b0 * TB + j]))
+                                part, acc[t][j], [p, a0 * TA + t, b0 * TB + j]))
                 B = TN_BLOCK
                 full = T.Bind((hi - lo) // B)
                 with T.serial(0, full) as blk:
@@ -744,7 +757,7 @@ def _scan_rows(name: str, F: int, copy: bool):
             x, *out, bad = _args([("x", (n, F), f32), *out_arg, ("bad", (FEED_PARTS,), i32)])
             exponent = tirx.const(NONFINITE, i32)
             with T.parallel(0, FEED_PARTS) as p:
-                acc = T.alloc_buffer((F,), i32, scope="local")
+                acc = _scratch((F,), i32)
                 _features(F, lambda f: T.buffer_store(acc, tirx.const(0, i32), [f]))
                 lo, hi = _row_range(n, p, FEED_PARTS)
                 with T.serial(0, hi - lo) as r:
@@ -782,10 +795,10 @@ def match_rows(F: int):
             exponent = tirx.const(NONFINITE, i32)
             zero, one = tirx.const(0, i32), tirx.const(1, i32)
             with T.parallel(0, P) as p:
-                acc = T.alloc_buffer((F,), i32, scope="local")
-                count = T.alloc_buffer((F,), i32, scope="local")
-                diff = T.alloc_buffer((1,), i32, scope="local")
-                total = T.alloc_buffer((1,), i64, scope="local")
+                acc = _scratch((F,), i32)
+                count = _scratch((F,), i32)
+                diff = _scratch((1,), i32)
+                total = _scratch((1,), i64)
                 _features(F, lambda f: T.buffer_store(acc, zero, [f]))
                 _features(F, lambda f: T.buffer_store(count, zero, [f]))
                 T.buffer_store(diff, zero, [0])
@@ -867,7 +880,7 @@ def _rows_in_parts(n, C: int, body) -> None:
     i64, f32 = "int64", "float32"
 
     def rows(p, lo, hi):
-        acc = T.alloc_buffer((VEC,), f32, scope="local")
+        acc = _scratch((VEC,))
         with T.serial(0, hi - lo) as r:
             body(p, lo + r, acc)
     with T.If(n * tirx.const(C, i64) >= tirx.const(CE_PARALLEL, i64)):

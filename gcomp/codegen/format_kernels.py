@@ -40,7 +40,7 @@ from tvm.script.ir_builder import tirx as T
 from gcomp.codegen import epilogue as epi
 from gcomp.codegen.aggregate_kernel import _finish
 from gcomp.codegen.cpu_kernels import (PREFETCH_DISTANCE, _features, _if, _prefetch,
-                                       _row_sums)
+                                       _row_sums, _scratch)
 from gcomp.codegen.kernels import arg, definer
 
 ROWS = 16  # destination rows per block of the dense layout (their outputs stay in L1)
@@ -126,16 +126,16 @@ def format_agg(fmt: str, reduce: str, F: int, transpose: bool, epilogue: tuple =
             with T.parallel(0, (n + span - 1) // span) as b:
                 with T.serial(0, span // R) as g:  # B is a multiple of R (GROUP)
                     first = b * span + g * R
-                    acc = T.alloc_buffer((R, F), F32, scope="local")
+                    acc = [_scratch((F,)) for _ in range(R)]
                     for r in range(R):
-                        _features(F, lambda f, r=r: T.buffer_store(acc, tirx.const(0.0, F32),
-                                                                   [r, f]))
+                        _features(F, lambda f, r=r: T.buffer_store(acc[r], tirx.const(0.0, F32),
+                                                                   [f]))
 
                     def accumulate(weight_of, s):
                         for r in range(R):
                             a = T.Bind(weight_of(r))
                             _features(F, lambda f, r=r: T.buffer_store(
-                                acc, acc[r, f] + a * x[s, f], [r, f]))
+                                acc[r], acc[r][f] + a * x[s, f], [f]))
                     if fmt == "dense":  # every source row, once per group
                         with T.serial(0, n) as s:
                             # rows past n (the last group) repeat row n-1 and are not stored
@@ -157,7 +157,7 @@ def format_agg(fmt: str, reduce: str, F: int, transpose: bool, epilogue: tuple =
                         i = first + r
                         with _if(i < n):
                             def store(f, r=r, i=i):
-                                res = _finish(reduce, acc[r, f], indptr[i + 1] - indptr[i])
+                                res = _finish(reduce, acc[r][f], indptr[i + 1] - indptr[i])
                                 res = epi.apply(epilogue, res,
                                                 lambda k: extra[k][epi.index(extras[k], i, f)])
                                 T.buffer_store(out, res, [i, f])
