@@ -450,3 +450,58 @@ def test_cross_entropy_of_bfloat16_logits(C):
     ref = np.where(valid, m * (lse - zz[np.arange(n), yy]), 0).sum() / m.sum()
     assert abs(float(loss.numpy()) - ref) <= 1e-5 * abs(ref)
     assert np.abs(lse_out.numpy()[valid] - lse[valid]).max() <= 1e-5 * np.abs(lse).max()
+
+
+@pytest.mark.parametrize("kind,K,M", [("matmul", 32, 32), ("matmul", 16, 7), ("matmul_tn", 32, 40),
+                                      ("matmul_tn", 128, 130)])
+def test_scheduled_generic_products(kind, K, M):
+    """The generic products as ``schedules/cpu.py`` schedules them (what a tuning falls back
+    on where its row groups or tiles lose: this machine's may never pick them), the
+    product with a ReLU applied row by row, each row's sums kept in a stack buffer, against
+    float64; node counts that leave the last rows of a block or chunk short."""
+    import tvm
+    from gcomp.codegen.build import make_target
+    from gcomp.codegen.kernels import KernelSpec, define
+    from gcomp.schedules.cpu import schedule
+    params = {"epilogue": (("relu", (), None, False),)} if kind == "matmul" else {}
+    spec = KernelSpec.make(kind, K=K, M=M, **params)
+    sch = tvm.s_tir.Schedule(tvm.IRModule({"main": define(spec)}))
+    sch.work_on("main")
+    schedule(sch, spec)
+    fn = tvm.compile(tvm.IRModule({"k": sch.mod["main"].with_attr("global_symbol", "k")}),
+                     target=tvm.target.Target(make_target("llvm")))["k"]
+    rng = np.random.default_rng(K * M)
+    for n in (1, 17, 67, 1000):
+        x = rng.standard_normal((n, K)).astype(np.float32)
+        if kind == "matmul":
+            w = rng.standard_normal((K, M)).astype(np.float32)
+            ref, shape = np.maximum(x.astype(np.float64) @ w, 0.0), (n, M)
+        else:
+            w = rng.standard_normal((n, M)).astype(np.float32)
+            ref, shape = x.astype(np.float64).T @ w, (K, M)
+        out = tvm.runtime.tensor(np.full(shape, np.nan, np.float32))
+        fn(tvm.runtime.tensor(x), tvm.runtime.tensor(w), out)
+        assert np.abs(out.numpy() - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max()), n
+
+
+@pytest.mark.parametrize("kind,params", [
+    ("matmul", {"K": 32, "M": 32}), ("matmul", {"K": 128, "M": 128}),
+    ("csr_agg", {"reduce": "sum", "H": 1, "C": 32, "weight": "none"}),
+    ("edge_dot", {"H": 4, "C": 8}), ("attention_agg", {"H": 4, "C": 8, "slope": 0.2}),
+    ("attention_grad_dst", {"H": 4, "C": 8, "slope": 0.2}),
+    ("attention_grad_src", {"H": 4, "C": 8, "slope": 0.2})])
+def test_row_kernels_keep_their_scratch_on_the_stack(kind, params):
+    """The CPU kernels that walk rows (or row groups) with a scratch buffer per iteration
+    compile to code that never calls TVM's workspace allocator: a buffer in scope "local"
+    would be allocated and freed in every iteration (``cpu_kernels._scratch``)."""
+    import tvm
+    from gcomp.codegen.build import make_target
+    from gcomp.codegen.kernels import KernelSpec, target_definition
+    target = make_target("llvm")
+    spec = KernelSpec.make(kind, **params)
+    func = target_definition(spec, target)
+    if func is None:
+        pytest.skip(f"this CPU's tuning keeps the generic {kind} for {params}")
+    lib = tvm.compile(tvm.IRModule({spec.name: func}), target=tvm.target.Target(target))
+    asm = (lib.mod if hasattr(lib, "mod") else lib).inspect_source("asm")
+    assert "TVMBackendAllocWorkspace" not in asm

@@ -13,6 +13,11 @@ vectorized feature lanes each accumulate one output element.
 from __future__ import annotations
 
 VEC = 16  # floats per vectorized chunk: two AVX2 registers, one AVX-512 register
+# scope of a per-iteration intermediate: TVM 0.27 keeps a "global" one under 1,024 bytes on
+# the stack and allocates a "local" one from its workspace pool in every iteration
+# (``cpu_kernels._scratch``; the generic 32 -> 32 product with a ReLU, one row's sums per
+# iteration: 9.7 -> 7.0 ms on arxiv-size rows, AMD EPYC Zen 3, interleaved)
+STACK = "global"
 
 
 def _partitions(extent: int) -> bool:
@@ -113,9 +118,9 @@ def _matmul(sch, M: int, epilogue: bool) -> None:
     io, ii = sch.split(i, [None, 16])
     sch.reorder(io, ii, k, j)
     sch.parallel(io)
-    if epilogue:  # applied per row while the row is hot; the sum lives in a local row
+    if epilogue:  # applied per row while the row is hot; the sum lives in a row on the stack
         sch.reverse_compute_at(sch.get_sblock("epilogue"), ii)
-        sch.set_scope(blk, 0, "local")
+        sch.set_scope(blk, 0, STACK)
     partitioned = _vector_split(sch, j, M)
     if epilogue:
         _vector_split(sch, sch.get_loops(sch.get_sblock("epilogue"))[-1], M)
@@ -141,7 +146,7 @@ def _matmul_tn(sch, K: int, M: int) -> None:
     sch.parallel(p)
     if _partitions(tb):  # odd widths: partitioning would split the block under the steps below
         return
-    acc = sch.cache_write(blk, 0, "local")
+    acc = sch.cache_write(blk, 0, STACK)
     sch.reverse_compute_at(acc, b0)
     _vector_split(sch, sch.get_loops(acc)[-1], tb)
     sch.unroll(a1)
