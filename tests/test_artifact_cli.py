@@ -237,7 +237,15 @@ def test_finite_check_is_exact_when_the_sum_overflows():
     assert not all_finite(one_nan)
 
 
-def test_features_are_fed_in_place_by_one_checking_kernel():
+def _generic_products(monkeypatch):
+    """Compile products with the generic (scheduled) kernel, which assumes 64-byte aligned
+    arguments, on every CPU: the tunings that take row groups for every shape (``avx2``)
+    would otherwise never use it."""
+    from gcomp.codegen import cpu_kernels
+    monkeypatch.setattr(cpu_kernels, "_matmul_rows", lambda K, M, tuning: None)
+
+
+def test_features_are_fed_in_place_by_one_checking_kernel(monkeypatch):
     """Dense float32 features are read where the caller keeps them (any 4-byte alignment)
     by the feed kernel, which copies and checks them in one pass when a kernel reading
     them (here the generic 12 -> 8 product) needs 64-byte alignment: same outputs as the
@@ -246,6 +254,7 @@ def test_features_are_fed_in_place_by_one_checking_kernel():
     from gcomp.errors import InputError
     from gcomp.ir import interpret
     from gcomp.runtime.executor import Executor
+    _generic_products(monkeypatch)
     m = models.build("sage", 12, hidden=8, out_channels=3, layers=2)
     art = compile_model(m)
     assert all("feed_kernel" in i for i in art.plan.inputs if i["name"] == "x")
@@ -295,13 +304,16 @@ def _placed(a: np.ndarray, offset: int) -> np.ndarray:
     (12, 0, True),    # ... which a 64-byte-aligned array has
 ])
 def test_kernels_read_the_callers_features_where_every_reader_accepts_them(width, offset,
-                                                                           in_place):
+                                                                           in_place,
+                                                                           monkeypatch):
     """The check kernel reads the features once and the kernels read the caller's array
     itself, never writing it, until the next feed: changing it between feed and execute
     changes the result (documented); a feed that must copy (float64) points them back at
     the binding's own buffer.  Outputs against the float64 interpreter."""
     from conftest import awkward_graph, ref_inputs, rel_err
     from gcomp.ir import interpret
+    if width == 12:
+        _generic_products(monkeypatch)
     m = models.build("gcn", width, hidden=8, out_channels=3, layers=2)
     ex = compile_model(m).executor()
     ex.force_variants, ex.reorder = {"sparse:x": False}, "none"
