@@ -75,7 +75,6 @@ def spmm_case(g, width: int, reps: int, warmup: int) -> dict:
             "chosen": chosen, "bind_s": bind_s, "kernels": kernels}
 
 
-
 def training_case(g, name: str, reps: int, warmup: int) -> dict:
     import gcomp.models
     from gcomp.compiler import compile_model

@@ -682,11 +682,10 @@ def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = 16, amx: bool = F
                         for t in range(TA):
                             _features(TB, lambda j, t=t: T.buffer_store(
                                 part, acc[t][j], [p, a0 * TA + t, b0 * TB + j]))
-                B = TN_BLOCK
-                full = T.Bind((hi - lo) // B)
+                full = T.Bind((hi - lo) // TN_BLOCK)
                 with T.serial(0, full) as blk:
-                    tiles(lo + blk * B, B, ahead=lo + (blk + 1) * B)
-                tiles(lo + full * B, hi - lo - full * B)
+                    tiles(lo + blk * TN_BLOCK, TN_BLOCK, ahead=lo + (blk + 1) * TN_BLOCK)
+                tiles(lo + full * TN_BLOCK, hi - lo - full * TN_BLOCK)
             with T.parallel(0, K) as a:
                 _features(M, lambda j: T.buffer_store(out, part[0, a, j], [a, j]))
                 with T.serial(1, P) as q:

@@ -118,9 +118,9 @@ def _matmul(sch, M: int, epilogue: bool) -> None:
     io, ii = sch.split(i, [None, 16])
     sch.reorder(io, ii, k, j)
     sch.parallel(io)
-    if epilogue:  # applied per row while the row is hot; the sum lives in a row on the stack
+    if epilogue:  # applied per row while the row is hot; the sum, an intermediate of
+        # scope STACK, is compacted to that row and lives on the stack
         sch.reverse_compute_at(sch.get_sblock("epilogue"), ii)
-        sch.set_scope(blk, 0, STACK)
     partitioned = _vector_split(sch, j, M)
     if epilogue:
         _vector_split(sch, sch.get_loops(sch.get_sblock("epilogue"))[-1], M)
