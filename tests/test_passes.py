@@ -246,9 +246,10 @@ def test_fuse_epilogues_groups_bias_and_activation():
 
 def test_fuse_epilogues_computes_a_scaled_operand_in_the_epilogue():
     """GIN's sum_j x_j + (1 + eps) * x: the product is computed per element in the
-    aggregation's epilogue instead of by a kernel of its own; over out-edges (whose
-    extras the distributed runtime zeroes on halo rows) and where another value reads
-    the product, it stays stored."""
+    aggregation's epilogue instead of by a kernel of its own.  Over out-edges (whose
+    extras the distributed runtime zeroes on halo rows) only a product with a node
+    tensor, which vanishes there, and only on CPU targets; where another value reads the
+    product, it stays stored."""
     from gcomp.passes import FuseEpilogues
     text = """graph t(%x: f32[N,4], %dy: f32[N,4], %g: graph<coo>) {
   %eps = param[init="zeros"] : f32[]
@@ -259,20 +260,31 @@ def test_fuse_epilogues_computes_a_scaled_operand_in_the_epilogue():
   %b = aggregate[flow="out"](%g, %dy) : f32[N,4]
   %n = mul(%eps, %dy) : f32[N,4]
   %t = add(%b, %n) : f32[N,4]
+  %o = aggregate[flow="out"](%g, %x) : f32[N,4]
+  %e = add(%eps, %dy) : f32[N,4]
+  %f = add(%o, %e) : f32[N,4]
   %c = aggregate(%g, %dy) : f32[N,4]
   %k = mul(%eps, %r) : f32[N,4]
   %u = add(%c, %k) : f32[N,4]
-  return %r, %t, %u, %k
+  return %r, %t, %f, %u, %k
 }"""
-    g = parse_graph(text)
-    PassManager([FuseEpilogues()])(g)
-    meta = {n.name: {k: v for k, v in n.meta.items() if k in ("fused", "fused_into", "operand")}
-            for n in g}
+
+    def fused(target):
+        g = parse_graph(text)
+        PassManager([FuseEpilogues()])(g, PassContext(target=target))
+        assert print_graph(g) == print_graph(parse_graph(text))  # values unchanged
+        return {n.name: {k: v for k, v in n.meta.items() if k in ("fused", "fused_into",
+                                                                   "operand")} for n in g}
+    meta = fused("llvm")
     assert meta["a"] == {"fused": ["m", "s", "r"]}
     assert meta["m"] == {"fused_into": "a", "operand": True}
-    assert meta["b"] == {"fused": ["t"]} and "fused_into" not in meta["n"]
+    assert meta["b"] == {"fused": ["n", "t"]}
+    assert meta["n"] == {"fused_into": "b", "operand": True}
+    # eps + dy is eps on zeroed halo rows: not additive, stays stored
+    assert meta["o"] == {"fused": ["f"]} and "fused_into" not in meta["e"]
     assert meta["c"] == {"fused": ["u"]} and "fused_into" not in meta["k"]  # %k is an output
-    assert print_graph(g) == print_graph(parse_graph(text))  # values unchanged
+    meta = fused("cuda")
+    assert meta["b"] == {"fused": ["t"]} and "fused_into" not in meta["n"]
 
 
 def test_fuse_epilogues_reads_one_value_per_row():

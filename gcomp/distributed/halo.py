@@ -250,17 +250,20 @@ REPLICATED = ("adam", "sgd", "momentum", "transpose")
 NO_HALO_PROPAGATION = ("matmul",)
 
 
-def fused_epilogues(ir_texts) -> dict[str, list[str]]:
-    """anchor node -> ops of its fused members, read from an artifact's printed IR
-    (``artifact.ir``: lines ``%m = op[...](...) ... # fused_into='anchor'``)."""
+def fused_epilogues(ir_texts) -> dict[str, list[tuple[str, bool, tuple[str, ...]]]]:
+    """anchor node -> its fused members as (op, computed operand?, input names), read from
+    an artifact's printed IR (``artifact.ir``: lines ``%m = op[...](%a, %b) ... #
+    fused_into='anchor'``, ``operand=True`` for an operand the epilogue computes)."""
     import re
-    pat = re.compile(r"^\s*%(\S+) = ([a-z_]+)\b.*# .*fused_into='([^']+)'")
-    out: dict[str, list[str]] = {}
+    pat = re.compile(r"^\s*%(\S+) = ([a-z_]+)\b[^(]*\(([^)]*)\).*# (.*fused_into='([^']+)'.*)")
+    out: dict[str, list[tuple[str, bool, tuple[str, ...]]]] = {}
     for text in ir_texts:
         for line in (text or "").splitlines():
             m = pat.match(line)
             if m:
-                out.setdefault(m.group(3), []).append(m.group(2))
+                args = tuple(a.strip().lstrip("%") for a in m.group(3).split(",") if a.strip())
+                out.setdefault(m.group(5), []).append(
+                    (m.group(2), "operand=True" in m.group(4), args))
     return out
 
 
@@ -280,7 +283,7 @@ class DistExecutor(Executor):
         self.loss_scale = 1.0  # local / global training count (set by the trainer)
         self.traffic: dict = {}
         self._bind_valid: dict = {}
-        self.epilogues: dict[str, list[str]] = {}  # fused_epilogues(artifact.ir.values())
+        self.epilogues: dict[str, list] = {}  # fused_epilogues(artifact.ir.values())
 
     # ---- hooks
     def _structures(self, graph, order):
@@ -372,19 +375,29 @@ class DistExecutor(Executor):
     def _additive_extras(self, s: dict, ins: list) -> list[str]:
         """Row extras of an out-edge aggregation's fused epilogue.  Halo rows hold partial
         sums that their owners add up, so an epilogue must be additive in node tensors
-        (``+ extra``, the gradient accumulation autodiff emits): zeroing the extras' halo
-        rows then keeps the partial sums exact.  Anything else is refused."""
+        (``+ extra``, the gradient accumulation autodiff emits, or ``+ s * t``, a product
+        with a node tensor): zeroing the extras' halo rows then keeps the partial sums
+        exact.  The aggregated tensor itself may be one of them (GIN's ``+ (1 + eps) *
+        dy``): the shard's edges end at owned rows, so the sum reads it only there.
+        Anything else is refused."""
         node_in = [n for _, n in ins if self._is_node(n)]
         extras = node_in[1:]  # node_in[0] is the aggregated tensor
         vec = [n for _, n in ins if not self._is_node(n) and not self._is_edge(n)]
         if not extras and not vec:
             return []
         ops = self.epilogues.get(s["node"])
-        if vec or ops is None or any(o not in ("add", "reshape") for o in ops):
+        # products computed in the epilogue, each with a node tensor (fuse_epilogues):
+        # zero on halo rows, whatever their other factors (a scalar such as GIN's 1 + eps)
+        factors = {a for op, operand, args in ops or () if operand and op == "mul"
+                   and any(x in self.plan.buffers and self._is_node(x) for x in args)
+                   for a in args}
+        if (ops is None or any(not operand and op not in ("add", "reshape")
+                               or operand and op != "mul" for op, operand, _ in ops)
+                or any(v not in factors for v in vec)):
             raise DistributedError(
                 f"%{s['node']}: an aggregation over out-edges with a fused epilogue "
-                f"({', '.join(ops or ['unknown'])}) cannot be split across ranks; compile with "
-                "the fuse_epilogues pass disabled")
+                f"({', '.join(op for op, *_ in ops or [('unknown',)])}) cannot be split "
+                "across ranks; compile with the fuse_epilogues pass disabled")
         return [self._root(n) for n in extras]
 
     def _zero_halo_op(self, b: Binding, roots: list[str]):

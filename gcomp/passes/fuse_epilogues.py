@@ -21,8 +21,10 @@ Anchors and what they absorb:
   partial sums across ranks after the epilogue, so it must be additive.)
   A binary member's other operand may itself be a binary op of such extra inputs that
   only this member uses (GIN's ``sum_j x_j + (1 + eps) * x``): it is computed per
-  element in the epilogue (``meta["operand"]``), not stored and read back.  Not for an
-  aggregation over out-edges, whose extras the distributed runtime zeroes on halo rows.
+  element in the epilogue (``meta["operand"]``), not stored and read back.  For an
+  aggregation over out-edges (whose extras the distributed runtime zeroes on halo rows)
+  only a product with a tensor shaped like the result, added, which vanishes there:
+  GIN's backward ``A.T dy + (1 + eps) * dy`` (CPU targets).
 * any elementwise op (``elementwise_grad`` included): the elementwise ops it reads
   whose value only it uses, of its shape, and theirs in turn: a tree evaluated per
   element in one kernel (autodiff's gradient sums, ``dy + ds_dst * a_dst + ds_src *
@@ -80,7 +82,7 @@ def _materialized(v) -> bool:
     return "fused_into" not in v.meta or v.meta.get("tail", False)
 
 
-def _absorbable_after_kernel(n, prev, anchor) -> bool:
+def _absorbable_after_kernel(n, prev, anchor, cpu: bool) -> bool:
     if n.op == Op.RESHAPE:
         return True
     if n.op in UNARY:
@@ -93,20 +95,31 @@ def _absorbable_after_kernel(n, prev, anchor) -> bool:
         other = n.inputs[1] if n.inputs[0] is prev else n.inputs[0]
         return (other is not prev and n.ty.shape == prev.ty.shape
                 and (_extra_ok(other, n.ty) and _materialized(other)
-                     or _computed_operand(other, n, anchor)))
+                     or _computed_operand(other, n, anchor, cpu)))
     return False
 
 
-def _computed_operand(v, user, anchor) -> bool:
+def _computed_operand(v, user, anchor, cpu: bool) -> bool:
     """Can operand ``v`` of epilogue member ``user`` be computed in the epilogue: a binary
-    op of extra inputs, shaped like the result, that only ``user`` reads?"""
-    if anchor.op == Op.AGGREGATE and anchor.attrs["flow"] == "out":
+    op of extra inputs, shaped like the result, that only ``user`` reads?  Over out-edges
+    only a product with a tensor shaped like the result, added (``_vanishes_on_halo``)."""
+    if (anchor.op == Op.AGGREGATE and anchor.attrs["flow"] == "out"
+            and not (cpu and user.op == Op.ADD and _vanishes_on_halo(v, user))):
         return False
     return (v.op in OpGroup.Binary and v.ty == user.ty and len(v.users) == 1
             and v not in v.graph.outputs and sum(i is v for i in user.inputs) == 1
             and not {"fused", "fused_into"} & v.meta.keys()
             and v.meta.get("phase") == user.meta.get("phase")
             and all(_extra_ok(i, user.ty) and _materialized(i) for i in v.inputs))
+
+
+def _vanishes_on_halo(v, user) -> bool:
+    """Is ``v`` a product with a tensor shaped like ``user``?  The distributed runtime
+    zeroes the halo rows of an out-edge aggregation's row extras before it runs, so such
+    a product is zero there and the halo rows' partial sums, which their owners add up,
+    stay exact (GIN's backward ``A.T dy + (1 + eps) * dy``; the aggregation reads dy only
+    at the rows a rank owns)."""
+    return v.op == Op.MUL and any(i.ty == user.ty for i in v.inputs)
 
 
 def _sole_user(v, graph):
@@ -171,10 +184,11 @@ class FuseEpilogues(Pass):
             for key in ("fused", "fused_into", "tail", "operand"):
                 n.meta.pop(key, None)
         changed = False
+        cpu = ctx is None or ctx.target != "cuda"
         for n in graph:  # kernels, with the elementwise ops after them
             if n.op in (Op.AGGREGATE, Op.ATTENTION_AGGREGATE) or (n.op == Op.MATMUL
                                                                   and not n.attrs["trans_a"]):
-                changed |= _group(n, self._epilogue(n, graph))
+                changed |= _group(n, self._epilogue(n, graph, cpu))
         order = {n: k for k, n in enumerate(graph)}
         for t in reversed(graph.nodes):  # elementwise trees, into the op that ends them
             if "fused" in t.meta or "fused_into" in t.meta or not _tree_root(t):
@@ -186,16 +200,17 @@ class FuseEpilogues(Pass):
         return changed
 
     @staticmethod
-    def _epilogue(n, graph) -> list:
+    def _epilogue(n, graph, cpu: bool) -> list:
         members, prev = [], n
         while True:
             u = _sole_user(prev, graph)
-            if (u is None or "fused_into" in u.meta or not _absorbable_after_kernel(u, prev, n)
+            if (u is None or "fused_into" in u.meta
+                    or not _absorbable_after_kernel(u, prev, n, cpu)
                     or u.meta.get("phase") != n.meta.get("phase")):
                 break
             if u.op in OpGroup.Binary:
                 other = u.inputs[1] if u.inputs[0] is prev else u.inputs[0]
-                if _computed_operand(other, u, n):  # evaluated in the epilogue, not stored
+                if _computed_operand(other, u, n, cpu):  # evaluated in the epilogue, not stored
                     other.meta["operand"] = True
                     members.append(other)
             members.append(u)
