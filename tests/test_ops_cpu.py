@@ -265,27 +265,32 @@ def test_matmul_row_groups_of_each_tuning(tuning, K, M):
 
 
 @pytest.mark.parametrize("tuning", ["default", "avx2"])
-@pytest.mark.parametrize("K,M", [(128, 32), (32, 40), (12, 7), (1433, 16), (3, 64), (128, 128),
-                                 (12, 96), (5, 160)])
-def test_weight_gradient_in_row_blocks(K, M, tuning):
+@pytest.mark.parametrize("K,M,sum_row", [(128, 32, False), (32, 40, False), (12, 7, False),
+                                         (1433, 16, False), (3, 64, False), (128, 128, False),
+                                         (12, 96, False), (5, 160, False), (32, 32, True),
+                                         (32, 40, True), (12, 7, True), (5, 160, True)])
+def test_weight_gradient_in_row_blocks(K, M, sum_row, tuning):
     """The CPU x.T @ y (weight gradients) adds blocks of rows into register tiles of the
     result, as each tuning sizes them, compiled for this machine: row counts that leave
     blocks and chunks short or empty, widths the vector unit does not divide, K without a
     tile that divides it, wide results in column tiles, chunks of several blocks (each
-    prefetching the next, the last past the end)."""
+    prefetching the next, the last past the end); with ``sum_row``, y's column sums (a
+    bias gradient) in a last row, over the same column tiles."""
     import tvm
     from gcomp.codegen.build import make_target
     from gcomp.codegen.cpu_kernels import TN_BLOCK, _matmul_tn_tile, matmul_tn
     assert _matmul_tn_tile(K, M, tuning) is not None
-    func = matmul_tn(K, M, tuning=tuning).with_attr("global_symbol", "tn")
+    func = matmul_tn(K, M, tuning=tuning, sum_row=sum_row).with_attr("global_symbol", "tn")
     fn = tvm.compile(tvm.IRModule({"tn": func}), target=tvm.target.Target(make_target("llvm")))["tn"]
     rng = np.random.default_rng(K + M)
     for n in (0, 1, 15, 17, 16 * 16 + 3, 1000, 16 * 3 * TN_BLOCK + 5):
         x = rng.standard_normal((n, K)).astype(np.float32)
         y = rng.standard_normal((n, M)).astype(np.float32)
-        out = tvm.runtime.tensor(np.full((K, M), np.nan, np.float32))
+        out = tvm.runtime.tensor(np.full((K + sum_row, M), np.nan, np.float32))
         fn(tvm.runtime.tensor(x), tvm.runtime.tensor(y), out)
         ref = x.astype(np.float64).T @ y.astype(np.float64)
+        if sum_row:
+            ref = np.vstack([ref, y.astype(np.float64).sum(0)])
         assert np.abs(out.numpy() - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max()), n
 
 
@@ -452,18 +457,24 @@ def test_cross_entropy_of_bfloat16_logits(C):
     assert np.abs(lse_out.numpy()[valid] - lse[valid]).max() <= 1e-5 * np.abs(lse).max()
 
 
-@pytest.mark.parametrize("kind,K,M", [("matmul", 32, 32), ("matmul", 16, 7), ("matmul_tn", 32, 40),
-                                      ("matmul_tn", 128, 130)])
-def test_scheduled_generic_products(kind, K, M):
+@pytest.mark.parametrize("kind,K,M,sum_row", [("matmul", 32, 32, False), ("matmul", 16, 7, False),
+                                              ("matmul_tn", 32, 40, False),
+                                              ("matmul_tn", 128, 130, False),
+                                              ("matmul_tn", 32, 40, True),
+                                              ("matmul_tn", 128, 130, True)])
+def test_scheduled_generic_products(kind, K, M, sum_row):
     """The generic products as ``schedules/cpu.py`` schedules them (what a tuning falls back
     on where its row groups or tiles lose: this machine's may never pick them), the
-    product with a ReLU applied row by row, each row's sums kept in a stack buffer, against
-    float64; node counts that leave the last rows of a block or chunk short."""
+    product with a ReLU applied row by row, each row's sums kept in a stack buffer, the
+    weight gradient with and without a row of column sums, against float64; node counts
+    that leave the last rows of a block or chunk short."""
     import tvm
     from gcomp.codegen.build import make_target
     from gcomp.codegen.kernels import KernelSpec, define
     from gcomp.schedules.cpu import schedule
     params = {"epilogue": (("relu", (), None, False),)} if kind == "matmul" else {}
+    if sum_row:
+        params["sum_row"] = True
     spec = KernelSpec.make(kind, K=K, M=M, **params)
     sch = tvm.s_tir.Schedule(tvm.IRModule({"main": define(spec)}))
     sch.work_on("main")
@@ -479,6 +490,8 @@ def test_scheduled_generic_products(kind, K, M):
         else:
             w = rng.standard_normal((n, M)).astype(np.float32)
             ref, shape = x.astype(np.float64).T @ w, (K, M)
+            if sum_row:
+                ref, shape = np.vstack([ref, w.astype(np.float64).sum(0)]), (K + 1, M)
         out = tvm.runtime.tensor(np.full(shape, np.nan, np.float32))
         fn(tvm.runtime.tensor(x), tvm.runtime.tensor(w), out)
         assert np.abs(out.numpy() - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max()), n

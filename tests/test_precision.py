@@ -61,7 +61,9 @@ def test_planned_memory_shrinks():
     sizes.update({d: 1_100_000 for p in (fp32, bf16) for b in p.buffers.values()
                   for d in b["dims"] if isinstance(d, str) and d.startswith("E:")})
     a, b = plan_memory(fp32, sizes).live_peak_bytes, plan_memory(bf16, sizes).live_peak_bytes
-    assert b < 0.85 * a, (a, b)  # 67.2 -> 51.2 MB when written
+    # 54.8 -> 51.2 MB (67.2 -> 51.2 before fuse_bias_grads: the last layer's dY [N, 40]
+    # now ends at its weight gradient, which also computes its bias's column sums)
+    assert b < 0.95 * a, (a, b)
 
 
 def test_training_on_cora_matches_float32_accuracy():

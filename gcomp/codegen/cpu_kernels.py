@@ -631,7 +631,7 @@ def _matmul_tn_tile(K: int, M: int, tuning: str = "default") -> tuple[int, int] 
 
 @definer("matmul_tn", target="llvm")
 def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = 16, amx: bool = False,
-              tuning: str = "default"):
+              tuning: str = "default", sum_row: bool = False):
     """out = x.T @ y (x: [n, K], y: [n, M]), weight gradients: ``chunks`` row ranges in
     parallel, each into its own partial [K, M] sum, added up at the end (deterministic).
     A range is walked in blocks of ``TN_BLOCK`` rows; for each TA x TB tile of the result,
@@ -640,27 +640,29 @@ def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = 16, amx: bool = F
     range's rows once per tile (128 x 32 on arxiv-synth: 14.6 ms).  The next block's rows
     are prefetched while one is added, each tile asking for its share of their lines
     (``_prefetch_share``).  With x or y stored as bfloat16 on a CPU with AMX tiles: the
-    tile kernel (``amx_kernels.py``)."""
+    tile kernel (``amx_kernels.py``), which has no ``sum_row``.  ``sum_row``: a last row
+    of y's column sums (a bias gradient), added while the block is in L1."""
     if gpu:
         return None
     tile = _matmul_tn_tile(K, M, tuning)
     if tile is None:
         return None
-    if amx and (stored_bf16("x") or stored_bf16("y")) and amx_kernels.tn_tiles(K, M):
+    if (amx and not sum_row and (stored_bf16("x") or stored_bf16("y"))
+            and amx_kernels.tn_tiles(K, M)):
         return amx_kernels.matmul_tn_amx(K, M, chunks)
     TA, TB = tile
     f32, i64 = "float32", "int64"
-    P = chunks
+    P, R = chunks, K + int(sum_row)
     with IRBuilder() as ib:
         with T.prim_func():
             T.func_name("matmul_tn")
             T.func_attr({"tirx.noalias": True})
             n = tirx.Var("n", i64)
-            x, y, out = _args([("x", (n, K), f32), ("y", (n, M), f32), ("out", (K, M), f32)])
-            part = T.alloc_buffer((P, K, M), f32)
+            x, y, out = _args([("x", (n, K), f32), ("y", (n, M), f32), ("out", (R, M), f32)])
+            part = T.alloc_buffer((P, R, M), f32)
             with T.parallel(0, P) as p:
                 lo, hi = _row_range(n, p, P)
-                with T.serial(0, K) as a:
+                with T.serial(0, R) as a:
                     _features(M, lambda j: T.buffer_store(part, tirx.const(0.0, f32), [p, a, j]))
                 def tiles(first, rows, ahead=None):
                     """Add rows first .. first + rows - 1 into the partial sum, tile by tile,
@@ -682,11 +684,22 @@ def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = 16, amx: bool = F
                         for t in range(TA):
                             _features(TB, lambda j, t=t: T.buffer_store(
                                 part, acc[t][j], [p, a0 * TA + t, b0 * TB + j]))
+                    if sum_row:
+                        with T.serial(0, M // TB) as b0:
+                            acc = _scratch((TB,))
+                            _features(TB, lambda j: T.buffer_store(acc, part[p, K, b0 * TB + j],
+                                                                   [j]))
+                            with T.serial(0, rows) as r:
+                                i = first + r
+                                _features(TB, lambda j, i=i: T.buffer_store(
+                                    acc, acc[j] + y[i, b0 * TB + j], [j]))
+                            _features(TB, lambda j: T.buffer_store(part, acc[j],
+                                                                   [p, K, b0 * TB + j]))
                 full = T.Bind((hi - lo) // TN_BLOCK)
                 with T.serial(0, full) as blk:
                     tiles(lo + blk * TN_BLOCK, TN_BLOCK, ahead=lo + (blk + 1) * TN_BLOCK)
                 tiles(lo + full * TN_BLOCK, hi - lo - full * TN_BLOCK)
-            with T.parallel(0, K) as a:
+            with T.parallel(0, R) as a:
                 _features(M, lambda j: T.buffer_store(out, part[0, a, j], [a, j]))
                 with T.serial(1, P) as q:
                     _features(M, lambda j: T.buffer_store(out, out[a, j] + part[q, a, j], [a, j]))

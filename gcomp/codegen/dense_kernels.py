@@ -19,6 +19,7 @@ from tvm.script.ir_builder import tirx as IB
 from gcomp.codegen import epilogue as epi
 from gcomp.codegen.fastmath import fast_exp, fast_tanh
 from gcomp.codegen.kernels import arg, definer, stored_bf16
+from gcomp.errors import CompileError
 
 
 def _input(shape, name: str):
@@ -478,8 +479,9 @@ CHUNKS = 16  # partial sums for reductions over the symbolic axis (>= threads, f
 
 
 @definer("matmul_tn")
-def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = CHUNKS):
-    """out = x.T @ y (x: [n, K], y: [n, M]): weight gradients.
+def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = CHUNKS, sum_row: bool = False):
+    """out = x.T @ y (x: [n, K], y: [n, M]): weight gradients; with ``sum_row`` a last row
+    of y's column sums (the bias gradient, ``passes/fuse_bias_grads.py``; CPU only).
 
     The rows are cut into ``chunks`` contiguous ranges reduced in parallel into partial
     [K, M] sums, then added up: no atomics, deterministic.  The CPU form is a reduction
@@ -488,21 +490,28 @@ def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = CHUNKS):
     (its chunks come from ``gpu_tn_tiles``).
     """
     if gpu:
+        if sum_row:
+            raise CompileError("matmul_tn with a sum row has no GPU form")
         return _matmul_tn_gpu(K, M, gpu_tn_tiles(K, M))
-    P = chunks
+    P, R = chunks, K + int(sum_row)
     n = te.var("n", "int64")
     x = te.placeholder((n, K), "float32", name="x")
     y = te.placeholder((n, M), "float32", name="y")
     rows = (n + P - 1) // P  # rows per chunk; the last chunk's overhang reads as zero
     r = te.reduce_axis((0, rows), name="r")
+
+    def xv(i, a):  # x's row, and a 1 past its end for the sum row
+        if not sum_row:
+            return x[i, a]
+        return tirx.if_then_else(a < K, x[i, tirx.min(a, K - 1)], _f32(1))
     part = te.compute(
-        (P, K, M),
+        (P, R, M),
         lambda p, a, b: te.sum(tirx.if_then_else(p * rows + r < n,
-                                                  x[p * rows + r, a] * y[p * rows + r, b],
+                                                  xv(p * rows + r, a) * y[p * rows + r, b],
                                                   _f32(0)), axis=r),
         name="part")
     q = te.reduce_axis((0, P), name="q")
-    out = te.compute((K, M), lambda a, b: te.sum(part[q, a, b], axis=q), name="sum")
+    out = te.compute((R, M), lambda a, b: te.sum(part[q, a, b], axis=q), name="sum")
     return te.create_prim_func([x, y, out])
 
 

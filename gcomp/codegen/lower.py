@@ -603,7 +603,14 @@ class _Lowering:
         self.buffer(n)
         feat = self.feature_operand(x)
         if n.attrs["trans_a"]:  # x.T @ w: a weight gradient, reduced over the rows
-            spec = KernelSpec.make("matmul_tn", K=int(x.ty.shape[1]), M=int(w.ty.shape[1]))
+            extra = {}
+            if n.attrs["sum_row"]:  # a bias gradient too (passes/fuse_bias_grads.py)
+                if feat:
+                    raise CompileError(f"%{n.name}: a product of node features has no sum "
+                                       "row (its sparse-feature variant has none)")
+                extra["sum_row"] = True
+            spec = KernelSpec.make("matmul_tn", K=int(x.ty.shape[1]), M=int(w.ty.shape[1]),
+                                   **extra)
             self.step(n, spec, [self.arg(x), self.arg(w), self.arg(n)],
                       unless=self.variant(feat[0]) if feat else None)
             if feat:

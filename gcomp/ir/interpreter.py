@@ -321,6 +321,8 @@ def evaluate_node(n, args: list, num_nodes: int):
         return _attention_grad(op, a, g, x, s_src, stats[:, H:2 * H], dy, *args[5:])
     if op == Op.MATMUL:
         x, w = args
+        if a["sum_row"]:
+            return np.vstack([x.T @ w, w.sum(0, keepdims=True)])
         return (x.T @ w) if a["trans_a"] else x @ (w.T if a["trans_b"] else w)
     if op in _UNARY:
         return _UNARY[op](args[0], a)

@@ -254,12 +254,15 @@ def _infer_same(node) -> Type:
 
 
 def _infer_matmul(node) -> Type:
-    """x @ w (w static [K, M]); trans_b: x @ w.T; trans_a: x.T @ w with both [N, .]."""
+    """x @ w (w static [K, M]); trans_b: x @ w.T; trans_a: x.T @ w with both [N, .], and
+    with sum_row a last row of w's column sums (a bias gradient beside its weight's)."""
     x, w = _tensor(node, 0), _tensor(node, 1)
+    if node.attrs["sum_row"] and not node.attrs["trans_a"]:
+        _fail(node, "sum_row needs trans_a (x.T @ w)")
     if node.attrs["trans_a"]:
         if x.rank != 2 or w.rank != 2 or x.shape[0] != w.shape[0]:
             _fail(node, f"x.T @ w needs two 2-D tensors with equal first axes: {x}, {w}")
-        return TensorType((x.shape[1], w.shape[1]), x.dtype)
+        return TensorType((x.shape[1] + node.attrs["sum_row"], w.shape[1]), x.dtype)
     if w.rank != 2 or not w.is_static:
         _fail(node, f"weight must be a static 2-D tensor, got {w}")
     k, m = (w.shape[1], w.shape[0]) if node.attrs["trans_b"] else w.shape
@@ -580,7 +583,8 @@ OPS: dict[Op, OpDef] = {d.op: d for d in [
     OpDef(Op.EDGE_SOFTMAX, (2, 2), {}, _infer_edge_softmax),
     OpDef(Op.ATTENTION_AGGREGATE, (4, 5), _ATTENTION_ATTRS, _infer_attention_aggregate),
     OpDef(Op.MATMUL, (2, 2), {"trans_a": AttrSpec(default=False, kind=bool),
-                              "trans_b": AttrSpec(default=False, kind=bool)}, _infer_matmul),
+                              "trans_b": AttrSpec(default=False, kind=bool),
+                              "sum_row": AttrSpec(default=False, kind=bool)}, _infer_matmul),
     OpDef(Op.BIAS_ADD, (2, 2), {}, _infer_bias_add),
     *[OpDef(op, (2, 2), {}, _infer_binary)
       for op in (Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAXIMUM, Op.MINIMUM)],

@@ -9,6 +9,7 @@ from gcomp.passes.elide_broadcasts import ElideBroadcasts
 from gcomp.passes.eval_mode import EvalMode
 from gcomp.passes.fuse_aggregate import FuseAggregate
 from gcomp.passes.fuse_attention import FuseAttention
+from gcomp.passes.fuse_bias_grads import FuseBiasGrads
 from gcomp.passes.fuse_epilogues import FuseEpilogues
 from gcomp.passes.hoist_graph_static import HoistGraphStatic
 from gcomp.passes.manager import Instrument, Pass, PassContext, PassError, PassManager
@@ -21,7 +22,7 @@ PASSES = {p.name: p for p in (EvalMode, Canonicalize, CommonSubexprElimination, 
                               FuseAttention,
                               ReorderLinear, DeadCodeElimination, HoistGraphStatic,
                               FuseEpilogues, AddLoss, Autodiff, ElideBroadcasts,
-                              SplitConcatProducts, Rematerialize)}
+                              SplitConcatProducts, Rematerialize, FuseBiasGrads)}
 
 
 def default_pipeline() -> PassManager:
@@ -54,6 +55,7 @@ def training_pipeline() -> PassManager:
         Rematerialize(),       # cheap elementwise values recomputed, not kept for backward
         DeadCodeElimination(),
         HoistGraphStatic(),    # degrees and norms of both directions: once per bound graph
+        FuseBiasGrads(),       # a bias's column sums in its weight gradient's kernel
         FuseEpilogues(),
     ])
 

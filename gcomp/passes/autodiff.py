@@ -122,6 +122,8 @@ def _vjp(b: _Builder, n: Node, dy: Node, needs) -> list[tuple[int, Node]]:
 
     if op == Op.MATMUL:
         x, w = ins
+        if a["sum_row"]:
+            raise IRError(f"%{n.name}: no gradient for a matmul with sum_row (a backward op)")
         if a["trans_a"]:  # y = x.T @ w
             if want(0):
                 out.append((0, b(Op.MATMUL, [w, dy], h, trans_b=True)))

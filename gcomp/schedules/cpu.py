@@ -89,7 +89,7 @@ def schedule(sch, spec) -> None:
         sch.parallel(p_loop)
         _vector_split(sch, f_loop, spec.p["F"])
     elif kind == "matmul_tn":
-        _matmul_tn(sch, p["K"], p["M"])
+        _matmul_tn(sch, p["K"] + int(p.get("sum_row", False)), p["M"])
     elif kind in ("adam", "sgd"):
         _flat_update(sch, kind, p["S"])
     elif kind == "edge_softmax":
