@@ -638,6 +638,47 @@ def test_split_concat_products_reads_the_parts():
         np.testing.assert_allclose(g, r, rtol=1e-12)
 
 
+BIAS_BEFORE = """graph t(%x: f32[N,4], %dy: f32[N,3], %dz: f32[N,3]) {
+  %h = relu(%x) : f32[N,4]
+  %gw = matmul[trans_a=true](%h, %dy) : f32[4,3]
+  %gb = sum[axis=0](%dy) : f32[3]
+  %gv = matmul[trans_a=true](%x, %dz) : f32[4,3]
+  %gc = sum[axis=0](%dz) : f32[3]
+  return %gw, %gb, %gv, %gc
+}"""
+
+
+def test_fuse_bias_grads_makes_the_bias_a_row_of_the_weight_gradient():
+    """A column sum of dY beside x.T @ dY becomes the product's last row, sliced apart
+    under the gradients' names; values match the interpreter's on the original graph to
+    float rounding.  Not where x is node features (their sparse-feature variant has no
+    such row), and not for CUDA."""
+    import numpy as np
+
+    from gcomp.ir.interpreter import interpret
+    from gcomp.passes import FuseBiasGrads
+    expected = """graph t(%x: f32[N,4], %dy: f32[N,3], %dz: f32[N,3]) {
+  %h = relu(%x) : f32[N,4]
+  %gw.with_bias = matmul[trans_a=true, sum_row=true](%h, %dy) : f32[5,3]
+  %gw = slice[axis=0, start=0, stop=4](%gw.with_bias) : f32[4,3]
+  %gb.row = slice[axis=0, start=4, stop=5](%gw.with_bias) : f32[1,3]
+  %gb = reshape[shape=[3]](%gb.row) : f32[3]
+  %gv = matmul[trans_a=true](%x, %dz) : f32[4,3]
+  %gc = sum[axis=0](%dz) : f32[3]
+  return %gw, %gb, %gv, %gc
+}"""
+    same(run_pass(FuseBiasGrads(), BIAS_BEFORE), expected)
+    rng = np.random.default_rng(0)
+    inputs = {k: rng.standard_normal((7, w)) for k, w in (("x", 4), ("dy", 3), ("dz", 3))}
+    ref = interpret(parse_graph(BIAS_BEFORE), inputs, {})
+    got = interpret(parse_graph(expected), inputs, {})
+    for r, g in zip(ref, got):
+        np.testing.assert_allclose(g, r, rtol=1e-12)
+    g = parse_graph(BIAS_BEFORE)
+    PassManager([FuseBiasGrads()])(g, PassContext(target="cuda"))
+    same(print_graph(g), BIAS_BEFORE)
+
+
 def test_split_concat_products_keeps_a_concat_read_otherwise():
     """One user that is neither a product nor a column sum (here relu) keeps the concat
     for every user."""

@@ -69,7 +69,7 @@ class FuseBiasGrads(Pass):
                 continue
             order = {n: k for k, n in enumerate(graph)}
             first = min(mm, s, key=order.__getitem__)
-            if order[mm.inputs[0]] > order[first]:  # x comes later: the merged op cannot
+            if order[mm.inputs[0]] > order[first]:  # no place before both that has x
                 continue
             self._merge(graph, mm, s, first)
             changed = True
