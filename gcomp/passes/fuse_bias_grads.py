@@ -63,11 +63,13 @@ class FuseBiasGrads(Pass):
         if ctx is not None and ctx.target == "cuda":
             return False
         changed = False
+        # positions in the graph as given: a merge inserts and erases nodes, but the ones
+        # left keep their order, which is all the comparison below reads
+        order = {n: k for k, n in enumerate(graph)}
         for s in list(graph):
             mm = _weight_grad(s) if _column_sum(s) else None
             if mm is None:
                 continue
-            order = {n: k for k, n in enumerate(graph)}
             first = min(mm, s, key=order.__getitem__)
             if order[mm.inputs[0]] > order[first]:  # no place before both that has x
                 continue
