@@ -300,15 +300,18 @@ def test_cross_entropy_kernels_in_row_ranges(C):
     vector lanes; 7 classes: the generic kernels) against float64 numpy: masked rows, rows
     without a label (y = -1), row counts on both sides of the parallel threshold, widths
     with and without a tail (of one lane at 17, odd lane counts at 23 and 47, several
-    whole vectors at 64); the gradient reads the log-sum-exps the loss wrote."""
+    whole vectors at 64); the gradient reads the log-sum-exps the loss wrote.  The fused
+    kernel (both in one pass, ``passes/fuse_loss_grad.py``) writes the gradient over the
+    logits, as the memory plan may have it."""
     import tvm
     from gcomp.codegen.build import build_library, make_target
     from gcomp.codegen.cpu_kernels import CE_PARALLEL
     from gcomp.codegen.kernels import KernelSpec
-    specs = [KernelSpec.make("cross_entropy", C=C), KernelSpec.make("cross_entropy_grad", C=C)]
+    specs = [KernelSpec.make(k, C=C) for k in ("cross_entropy", "cross_entropy_grad",
+                                               "cross_entropy_fused")]
     lib = tvm.runtime.load_module(str(build_library({s.name: s for s in specs},
                                                     make_target("llvm"))))
-    loss_fn, grad_fn = (lib[s.name] for s in specs)
+    loss_fn, grad_fn, fused_fn = (lib[s.name] for s in specs)
     rng = np.random.default_rng(C)
     for n in (5, CE_PARALLEL // C + 77):
         z = (4 * rng.standard_normal((n, C))).astype(np.float32)
@@ -331,6 +334,10 @@ def test_cross_entropy_kernels_in_row_ranges(C):
         assert abs(float(loss.numpy()) - ref) <= 1e-5 * abs(ref)
         assert np.abs(lse_out.numpy()[valid] - lse[valid]).max() <= 1e-5 * np.abs(lse).max()
         assert np.abs(grad.numpy() - g).max() <= 1e-5 * np.abs(g).max()
+        both, loss = T(z), T(np.zeros((), np.float32))  # the gradient over the logits
+        fused_fn(T(np.array(2.0, np.float32)), both, T(y), T(m), loss, both)
+        assert abs(float(loss.numpy()) - ref) <= 1e-5 * abs(ref)
+        assert np.abs(both.numpy() - g).max() <= 1e-5 * np.abs(g).max()
 
 
 @pytest.mark.parametrize("order", ["rcm", "degree"])

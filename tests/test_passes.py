@@ -741,3 +741,58 @@ def test_pass_context_refuses_unknown_options():
         PassContext(options={"deterministic": "yes"})
     assert PassContext().option("prefer") == "speed"
     assert PassContext().option("deterministic") is False
+
+
+LOSS_BEFORE = """graph t(%z: f32[N,5], %y: i32[N], %m: f32[N]) {
+  %loss = cross_entropy(%z, %y, %m) : f32[]
+  %seed = const[value=1.0] : f32[]
+  %g = cross_entropy_grad(%seed, %z, %y, %m) : f32[N,5]
+  return %loss, %g
+}"""
+
+
+def test_fuse_loss_grad_marks_the_loss_as_computed_by_its_gradient():
+    """The loss and its gradient of the same operands are marked for one kernel; not
+    where the gradient's seed is computed from the loss (the kernel would read it before
+    writing it), and not for CUDA."""
+    from gcomp.passes import FuseLossGrad
+    g = parse_graph(LOSS_BEFORE)
+    PassManager([FuseLossGrad()])(g)
+    loss, grad = g.node("loss"), g.node("g")
+    assert loss.meta["with_grad"] == "g" and grad.meta["with_loss"] == "loss"
+    assert "with_grad='g'" in print_graph(g, show_meta=True)
+    scaled = LOSS_BEFORE.replace(
+        "  %g = cross_entropy_grad(%seed, %z, %y, %m) : f32[N,5]",
+        "  %s = mul(%seed, %loss) : f32[]\n  %g = cross_entropy_grad(%s, %z, %y, %m) : f32[N,5]")
+    for text, ctx in ((scaled, None), (LOSS_BEFORE, PassContext(target="cuda"))):
+        g = parse_graph(text)
+        PassManager([FuseLossGrad()])(g, ctx)
+        assert not any({"with_grad", "with_loss"} & n.meta.keys() for n in g)
+
+
+def test_fused_loss_kernel_trains_as_the_two_kernels():
+    """End to end on the CPU: one ``cross_entropy_fused`` step instead of the loss and
+    gradient kernels, writing the gradient over the logits; the loss and every gradient of
+    a GraphSAGE step equal those of the pipeline without the pass (float rounding)."""
+    import numpy as np
+
+    from gcomp import models
+    from gcomp.compiler import compile_model
+    from gcomp.runtime.trainer import Trainer
+    from conftest import awkward_graph
+    graph = awkward_graph(num_nodes=300, num_edges=2000, num_features=12, seed=3)
+    graph.y = np.arange(300) % 11
+    m = models.build("sage", 12, hidden=16, out_channels=11, layers=2)
+    arts = {k: compile_model(m, train=True, ctx=PassContext(disabled=frozenset(off)))
+            for k, off in (("fused", ()), ("apart", ("fuse_loss_grad",)))}
+    kernels = {k: [s["kernel"].rsplit("_", 1)[0] for s in a.train_plan.steps]
+               for k, a in arts.items()}
+    assert kernels["fused"].count("gc_cross_entropy_fused") == 1
+    assert "gc_cross_entropy" not in kernels["fused"]
+    assert {"gc_cross_entropy", "gc_cross_entropy_grad"} <= set(kernels["apart"])
+    trs = {k: Trainer(a, graph) for k, a in arts.items()}
+    losses = {k: t.step() for k, t in trs.items()}
+    assert abs(losses["fused"] - losses["apart"]) <= 1e-6 * abs(losses["apart"])
+    ga, gb = trs["fused"].gradients(), trs["apart"].gradients()
+    for k in gb:
+        np.testing.assert_allclose(ga[k], gb[k], rtol=1e-5, atol=1e-7 * np.abs(gb[k]).max())

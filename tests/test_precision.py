@@ -179,7 +179,7 @@ def test_explain_lists_what_is_stored_in_bfloat16_and_why_the_rest_is_not():
     report = explain(art.graphs["training"], {"inference": art.plan, "training": art.train_plan})
     p = report["precision"]["training"]
     assert set(p["bfloat16"]) == _stored(art.train_plan)
-    assert "cross_entropy" in p["kept_float32"]["loss.lse"]
+    assert "sym_norm" in p["kept_float32"]["convs.0.sym_norm.deg"]
     assert p["bytes_per_node_saved"] == sum(
         2 * int(np.prod(art.train_plan.buffers[b]["dims"][1:])) for b in p["bfloat16"])
     assert "storage (training):" in render(report)

@@ -740,12 +740,22 @@ class _Lowering:
     def lower_cross_entropy(self, n: Node) -> None:
         z, y, m = n.inputs
         self.buffer(n)
+        if "with_grad" in n.meta:
+            return  # written by its gradient's kernel (passes/fuse_loss_grad.py)
         lse = self.buffer(n, dims=[self.lead(z)], name=f"{n.name}.lse")
         self.step(n, KernelSpec.make("cross_entropy", C=int(z.ty.shape[1])),
                   [self.arg(z), self.arg(y), self.arg(m), self.arg(lse), self.arg(n)])
 
     def lower_cross_entropy_grad(self, n: Node) -> None:
         dy, z, y, m = n.inputs
+        self.buffer(n)
+        C = int(z.ty.shape[1])
+        if "with_loss" in n.meta:  # the loss too, in one pass over the logits
+            s = self.step(n, KernelSpec.make("cross_entropy_fused", C=C),
+                          [self.arg(dy), self.arg(z), self.arg(y), self.arg(m),
+                           self.arg(n.meta["with_loss"]), self.arg(n)])
+            _in_place(s, [1])  # row i of the logits, read whole before row i is written
+            return
         # the gradient reads the log-sum-exps its loss kernel wrote (autodiff derives it
         # from a cross_entropy of the same operands, which comes first)
         loss = next((u for u in z.users if u.op == Op.CROSS_ENTROPY
@@ -753,8 +763,7 @@ class _Lowering:
         if loss is None or f"{loss.name}.lse" not in self.plan.buffers:
             raise CompileError(f"%{n.name}: cross_entropy_grad needs the cross_entropy of the "
                                "same operands before it")
-        self.buffer(n)
-        s = self.step(n, KernelSpec.make("cross_entropy_grad", C=int(z.ty.shape[1])),
+        s = self.step(n, KernelSpec.make("cross_entropy_grad", C=C),
                       [self.arg(dy), self.arg(z), self.arg(y), self.arg(m),
                        self.arg(f"{loss.name}.lse"), self.arg(n)])
         _in_place(s, [1])  # element (i, c) of the logits, read once before (i, c) is written

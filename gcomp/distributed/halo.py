@@ -331,6 +331,15 @@ class DistExecutor(Executor):
             return c
         if not bufs:
             return c
+        if fam == "cross_entropy_fused":
+            # the loss and its gradient (passes/fuse_loss_grad.py): the loss is summed
+            # across ranks; the gradient is written on owned rows, as a row-wise step's
+            # output whose halo rows nothing needs
+            (_, loss), (_, grad) = bufs[-2:]
+            c.update(kind="loss", out=loss, writes=[grad],
+                     inputs=[n for _, n in bufs[:-2]],
+                     owned_views=[i for i, n in bufs if self._is_node(n)])
+            return c
         out_i, out = bufs[-1]
         ins = bufs[:-1]
         c["out"] = out
@@ -549,8 +558,8 @@ class DistExecutor(Executor):
         written = set()
         for s in b.plan_steps:
             c = self._classify(s)
-            if c["out"]:
-                written.add(self._root(c["out"]))
+            for w in filter(None, [c["out"], *c.get("writes", ())]):
+                written.add(self._root(w))
         valid = {k: v for k, v in self._bind_valid.items() if k not in written}
         for inp in self.node_inputs():
             valid[inp["name"]] = inp["name"] not in self.invalid_inputs
@@ -602,6 +611,9 @@ class DistExecutor(Executor):
             if c.get("zero_halo"):
                 before[i].append((self._zero_halo_op(b, c["zero_halo"]), ()))
                 valid.update({r: False for r in c["zero_halo"]})
+            for w in map(self._root, c.get("writes", ())):  # owned rows final, halo rows not
+                last_write[w] = i
+                valid[w] = False
             out = c["out"] and self._root(c["out"])
             if not out:
                 continue
@@ -651,6 +663,7 @@ class DistExecutor(Executor):
                     used.add(src)
                 valid[src] = True
             valid.update({r: False for r in c.get("zero_halo", [])})
+            valid.update({self._root(w): False for w in c.get("writes", ())})
             out = c["out"] and self._root(c["out"])
             if out and self._is_node(out) and c["kind"] not in ("rowsum", "edgesum", "loss"):
                 valid[out] = self._keeps_halo(c, valid)

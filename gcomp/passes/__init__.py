@@ -11,6 +11,7 @@ from gcomp.passes.fuse_aggregate import FuseAggregate
 from gcomp.passes.fuse_attention import FuseAttention
 from gcomp.passes.fuse_bias_grads import FuseBiasGrads
 from gcomp.passes.fuse_epilogues import FuseEpilogues
+from gcomp.passes.fuse_loss_grad import FuseLossGrad
 from gcomp.passes.hoist_graph_static import HoistGraphStatic
 from gcomp.passes.manager import Instrument, Pass, PassContext, PassError, PassManager
 from gcomp.passes.rematerialize import Rematerialize
@@ -22,7 +23,8 @@ PASSES = {p.name: p for p in (EvalMode, Canonicalize, CommonSubexprElimination, 
                               FuseAttention,
                               ReorderLinear, DeadCodeElimination, HoistGraphStatic,
                               FuseEpilogues, AddLoss, Autodiff, ElideBroadcasts,
-                              SplitConcatProducts, Rematerialize, FuseBiasGrads)}
+                              SplitConcatProducts, Rematerialize, FuseBiasGrads,
+                              FuseLossGrad)}
 
 
 def default_pipeline() -> PassManager:
@@ -57,11 +59,12 @@ def training_pipeline() -> PassManager:
         HoistGraphStatic(),    # degrees and norms of both directions: once per bound graph
         FuseBiasGrads(),       # a bias's column sums in its weight gradient's kernel
         FuseEpilogues(),
+        FuseLossGrad(),        # the loss and its gradient: one pass over the logits
     ])
 
 
 __all__ = ["PASSES", "default_pipeline", "training_pipeline", "Instrument", "Pass",
            "PassContext", "PassError", "PassManager", "AddLoss", "Autodiff", "Canonicalize",
            "CommonSubexprElimination", "DeadCodeElimination", "ElideBroadcasts", "EvalMode",
-           "FuseAggregate", "FuseAttention", "FuseEpilogues", "HoistGraphStatic",
-           "Rematerialize", "ReorderLinear", "SplitConcatProducts"]
+           "FuseAggregate", "FuseAttention", "FuseBiasGrads", "FuseEpilogues", "FuseLossGrad",
+           "HoistGraphStatic", "Rematerialize", "ReorderLinear", "SplitConcatProducts"]
