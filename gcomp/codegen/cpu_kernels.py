@@ -841,16 +841,18 @@ def match_rows(F: int):
 CE_PARTS = 64      # row ranges of the loss kernels, each with its own partial sums
 CE_PARALLEL = 1 << 16  # logits from which the ranges run in parallel: below, waking the
                        # thread pool cost more than the rows (Cora: 0.03 -> 0.10 ms)
+KEEP_CLASSES = 256  # the fused loss keeps a row's exponentials on the stack up to here
 CE_MIN_CLASSES = VEC  # fewer classes fill a fraction of the vector lanes: the generic
                       # kernels win there (Cora's 7, 0.02 vs 0.07 ms)
 
 
-def _softmax_row(z, i, C: int, acc):
+def _softmax_row(z, i, C: int, acc, keep=None):
     """Max and sum of exp(z[i] - max) of row i, in vector registers: ``acc`` (a local
     buffer of VEC floats, only ever read and written whole, which LLVM keeps in a
     register) combines the VEC-wide pieces lane-wise, then it and the narrower tail are
     folded (``_fold``).  Arxiv-size logits, 40 classes, Intel Xeon: the loss kernel took
-    1.98 ms folding through a local buffer, 1.66 in registers."""
+    1.98 ms folding through a local buffer, 1.66 in registers.  ``keep`` (a local buffer
+    of C floats): the exponentials are also stored there, as they are summed."""
     main = C - C % VEC
     whole = tirx.Ramp(tirx.const(0, "int32"), tirx.const(1, "int32"), VEC)
     # bfloat16 logits widened by hand from their bits: TVM's legalization of a widened
@@ -879,9 +881,16 @@ def _softmax_row(z, i, C: int, acc):
         for v in parts[1:]:
             out = op(out, v)
         return T.Bind(out)
+    def exps(c0, lanes):
+        e = fast_exp(load(c0, lanes) - (mx if lanes == 1 else tirx.Broadcast(mx, lanes)))
+        if keep is None:
+            return e
+        at = c0 if lanes == 1 else tirx.Ramp(tirx.Cast("int64", c0), tirx.const(1, "int64"),
+                                             lanes)
+        T.buffer_store(keep, e, [at])
+        return keep[at]
     mx = over(load, tirx.max)
-    sm = over(lambda c0, lanes: fast_exp(load(c0, lanes) - (
-        mx if lanes == 1 else tirx.Broadcast(mx, lanes))), lambda a, b: a + b)
+    sm = over(exps, lambda a, b: a + b)
     return mx, sm
 
 
@@ -995,17 +1004,22 @@ def cross_entropy_grad(C: int):
 def cross_entropy_fused(C: int):
     """The masked mean cross-entropy and its gradient dz = dy * (softmax(z) - onehot(y)) *
     m / sum(m) in one pass over the logits (``passes/fuse_loss_grad.py``): each counted
-    row's max and sum of exponentials in vector registers (``_softmax_row``), its loss term,
-    then its gradient, written while the row is in L1.  Apart, the two kernels read the
-    logits twice and the log-sum-exps once more (arxiv-synth, 40 classes, AMD EPYC: 3.1 +
-    2.5 ms).  The gradient may be written over the logits (lowering offers them in place):
-    the row's loss term reads ``z[i, y[i]]`` before the row is written, so this kernel,
-    unlike the others, does not declare its arguments unaliased (LLVM may otherwise move
-    that load past the stores)."""
+    row's max, then its exponentials, kept in a local row as they are summed
+    (``_softmax_row``), its loss term, then its gradient, the kept exponentials scaled.
+    Apart, the two kernels read the logits twice, the log-sum-exps once more, and computed
+    the exponentials twice (arxiv-synth, 40 classes, AMD EPYC, medians of 25: 5.4 -> 3.1
+    ms).  With bfloat16 logits or gradient, or more than KEEP_CLASSES classes, the
+    exponentials are computed again for the gradient, as the gradient kernel does.  The
+    gradient may be written over the logits (lowering offers them in place) although LLVM
+    is told the arguments do not alias, so a row is read whole, its label's logit
+    included, before anything is written to it (a version that kept the exponentials in
+    the gradient's row and read the label's logit later got it overwritten)."""
     f32 = "float32"
+    bf16 = stored_bf16("z") or stored_bf16("out")
     with IRBuilder() as ib:
         with T.prim_func():
             T.func_name("cross_entropy_fused")
+            T.func_attr({"tirx.noalias": True})
             n = tirx.Var("n", "int64")
             dy, z, y, m, loss_out, out = _args([
                 ("dy", (), f32), ("z", (n, C), f32), ("y", (n,), "int32"), ("m", (n,), f32),
@@ -1019,21 +1033,30 @@ def cross_entropy_fused(C: int):
             with T.serial(0, CE_PARTS) as q:
                 T.buffer_store(loss, tirx.const(0.0, f32), [q])
 
+            def gradient(i, s, top, e, sm):
+                if e is not None:
+                    r = T.Bind(s / sm)
+                    _features(C, lambda c: T.buffer_store(out, e[c] * r, [i, c]))
+                    T.buffer_store(out, out[i, y[i]] - s, [i, y[i]])
+                elif stored_bf16("out"):  # rounded once: the label's 1 subtracted first
+                    one = tirx.const(1.0, f32)
+                    _features(C, lambda c: T.buffer_store(out, (fast_exp(
+                        z[i, c] - top) - tirx.Select(c == y[i], one, one * 0)) * s, [i, c]))
+                else:
+                    _features(C, lambda c: T.buffer_store(out, fast_exp(z[i, c] - top) * s,
+                                                          [i, c]))
+                    T.buffer_store(out, out[i, y[i]] - s, [i, y[i]])
+
             def row(p, i, acc):
+                e = None if bf16 or C > KEEP_CLASSES else _scratch((C,))
                 with T.If(_valid(m, y, i)):
                     with T.Then():
-                        mx, sm = _softmax_row(z, i, C, acc)
+                        mx, sm = _softmax_row(z, i, C, acc, keep=e)
                         top = T.Bind(mx + tirx.log(sm))
-                        T.buffer_store(loss, loss[p] + m[i] * (top - bound(z[i, y[i]])), [p])
-                        s = T.Bind(m[i] * scale)
-                        if stored_bf16("out"):  # rounded once: the label's 1 subtracted first
-                            one = tirx.const(1.0, f32)
-                            _features(C, lambda c: T.buffer_store(out, (fast_exp(
-                                z[i, c] - top) - tirx.Select(c == y[i], one, one * 0)) * s, [i, c]))
-                        else:
-                            _features(C, lambda c: T.buffer_store(
-                                out, fast_exp(z[i, c] - top) * s, [i, c]))
-                            T.buffer_store(out, out[i, y[i]] - s, [i, y[i]])
+                        # the label's logit is read, and the row's loss term added, before
+                        # the row is written: the gradient may be written over the logits
+                        T.buffer_store(loss, loss[p] + m[i] * (top - z[i, y[i]]), [p])
+                        gradient(i, T.Bind(m[i] * scale), top, e, sm)
                     with T.Else():
                         if stored_bf16("out"):  # TVM 0.27 cannot store a bfloat16 constant
                             with T.serial(0, C) as c:  # vector: a scalar loop, for LLVM
@@ -1048,6 +1071,7 @@ def cross_entropy_fused(C: int):
                 T.buffer_store(total, total[0] + loss[q], [0])
             T.buffer_store(loss_out, total[0] / count[0], [])
     return ib.get()
+
 
 # the tile kernels the products above hand over to build on this module's helpers
 from gcomp.codegen import amx_kernels  # noqa: E402
