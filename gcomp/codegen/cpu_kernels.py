@@ -954,6 +954,38 @@ def cross_entropy(C: int):
     return ib.get()
 
 
+def _mask_sum(m, n):
+    """A local buffer holding sum(m) over the n rows (one pass over n floats: cheaper than
+    a thread launch)."""
+    f32 = "float32"
+    count = T.alloc_buffer((1,), f32)
+    T.buffer_store(count, tirx.const(0.0, f32), [0])
+    with T.serial(0, n) as i:
+        T.buffer_store(count, count[0] + m[i], [0])
+    return count
+
+
+def _gradient_row(out, z, y, i, C: int, top, s) -> None:
+    """Row i of the loss gradient, (exp(z[i] - top) - onehot(y[i])) * s."""
+    if stored_bf16("out"):  # rounded once: the label's 1 subtracted first
+        one = tirx.const(1.0, "float32")
+        _features(C, lambda c: T.buffer_store(out, (fast_exp(z[i, c] - top) - tirx.Select(
+            c == y[i], one, one * 0)) * s, [i, c]))
+    else:
+        _features(C, lambda c: T.buffer_store(out, fast_exp(z[i, c] - top) * s, [i, c]))
+        T.buffer_store(out, out[i, y[i]] - s, [i, y[i]])
+
+
+def _zero_row(out, i, C: int) -> None:
+    """Row i of the loss gradient where the loss does not count the row."""
+    zero = tirx.const(0.0, "float32")
+    if stored_bf16("out"):  # TVM 0.27 cannot store a bfloat16 constant
+        with T.serial(0, C) as c:  # vector: a scalar loop, for LLVM
+            T.buffer_store(out, zero, [i, c])
+    else:
+        _features(C, lambda c: T.buffer_store(out, zero, [i, c]))
+
+
 @definer("cross_entropy_grad", target="llvm")
 def cross_entropy_grad(C: int):
     """dz = dy * (exp(z - lse) - onehot(y)) * m / sum(m) (as the generic kernel), rows in
@@ -969,35 +1001,16 @@ def cross_entropy_grad(C: int):
             dy, z, y, m, lse, out = _args([("dy", (), f32), ("z", (n, C), f32),
                                            ("y", (n,), "int32"), ("m", (n,), f32),
                                            ("lse", (n,), f32), ("out", (n, C), f32)])
-            count = T.alloc_buffer((1,), f32)
-            T.buffer_store(count, tirx.const(0.0, f32), [0])
-            with T.serial(0, n) as i:  # one pass over n floats: cheaper than a thread launch
-                T.buffer_store(count, count[0] + m[i], [0])
-            scale = T.Bind(dy[()] / count[0])
+            scale = T.Bind(dy[()] / _mask_sum(m, n)[0])
 
             def row(p, i, _acc):
                 with T.If(_valid(m, y, i)):
                     with T.Then():
-                        s = T.Bind(m[i] * scale)
-                        top = bound(lse[i])
-                        if stored_bf16("out"):  # rounded once: the label's 1 subtracted first
-                            one = tirx.const(1.0, f32)
-                            _features(C, lambda c: T.buffer_store(out, (fast_exp(
-                                z[i, c] - top) - tirx.Select(c == y[i], one, one * 0)) * s, [i, c]))
-                        else:
-                            _features(C, lambda c: T.buffer_store(
-                                out, fast_exp(z[i, c] - top) * s, [i, c]))
-                            T.buffer_store(out, out[i, y[i]] - s, [i, y[i]])
+                        _gradient_row(out, z, y, i, C, bound(lse[i]), T.Bind(m[i] * scale))
                     with T.Else():
-                        if stored_bf16("out"):  # TVM 0.27 cannot store a bfloat16 constant
-                            with T.serial(0, C) as c:  # vector: a scalar loop, for LLVM
-                                T.buffer_store(out, tirx.const(0.0, f32), [i, c])
-                        else:
-                            _features(C, lambda c: T.buffer_store(out, tirx.const(0.0, f32),
-                                                                  [i, c]))
+                        _zero_row(out, i, C)
             _rows_in_parts(n, C, row)
     return ib.get()
-
 
 
 @definer("cross_entropy_fused", target="llvm")
@@ -1015,7 +1028,7 @@ def cross_entropy_fused(C: int):
     included, before anything is written to it (a version that kept the exponentials in
     the gradient's row and read the label's logit later got it overwritten)."""
     f32 = "float32"
-    bf16 = stored_bf16("z") or stored_bf16("out")
+    keep = not (stored_bf16("z") or stored_bf16("out")) and C <= KEEP_CLASSES
     with IRBuilder() as ib:
         with T.prim_func():
             T.func_name("cross_entropy_fused")
@@ -1024,31 +1037,14 @@ def cross_entropy_fused(C: int):
             dy, z, y, m, loss_out, out = _args([
                 ("dy", (), f32), ("z", (n, C), f32), ("y", (n,), "int32"), ("m", (n,), f32),
                 ("loss", (), f32), ("out", (n, C), f32)])
-            count = T.alloc_buffer((1,), f32)
-            T.buffer_store(count, tirx.const(0.0, f32), [0])
-            with T.serial(0, n) as i:  # one pass over n floats: cheaper than a thread launch
-                T.buffer_store(count, count[0] + m[i], [0])
+            count = _mask_sum(m, n)
             scale = T.Bind(dy[()] / count[0])
             loss = T.alloc_buffer((CE_PARTS,), f32)
             with T.serial(0, CE_PARTS) as q:
                 T.buffer_store(loss, tirx.const(0.0, f32), [q])
 
-            def gradient(i, s, top, e, sm):
-                if e is not None:
-                    r = T.Bind(s / sm)
-                    _features(C, lambda c: T.buffer_store(out, e[c] * r, [i, c]))
-                    T.buffer_store(out, out[i, y[i]] - s, [i, y[i]])
-                elif stored_bf16("out"):  # rounded once: the label's 1 subtracted first
-                    one = tirx.const(1.0, f32)
-                    _features(C, lambda c: T.buffer_store(out, (fast_exp(
-                        z[i, c] - top) - tirx.Select(c == y[i], one, one * 0)) * s, [i, c]))
-                else:
-                    _features(C, lambda c: T.buffer_store(out, fast_exp(z[i, c] - top) * s,
-                                                          [i, c]))
-                    T.buffer_store(out, out[i, y[i]] - s, [i, y[i]])
-
             def row(p, i, acc):
-                e = None if bf16 or C > KEEP_CLASSES else _scratch((C,))
+                e = _scratch((C,)) if keep else None
                 with T.If(_valid(m, y, i)):
                     with T.Then():
                         mx, sm = _softmax_row(z, i, C, acc, keep=e)
@@ -1056,14 +1052,15 @@ def cross_entropy_fused(C: int):
                         # the label's logit is read, and the row's loss term added, before
                         # the row is written: the gradient may be written over the logits
                         T.buffer_store(loss, loss[p] + m[i] * (top - z[i, y[i]]), [p])
-                        gradient(i, T.Bind(m[i] * scale), top, e, sm)
-                    with T.Else():
-                        if stored_bf16("out"):  # TVM 0.27 cannot store a bfloat16 constant
-                            with T.serial(0, C) as c:  # vector: a scalar loop, for LLVM
-                                T.buffer_store(out, tirx.const(0.0, f32), [i, c])
+                        s = T.Bind(m[i] * scale)
+                        if e is None:
+                            _gradient_row(out, z, y, i, C, top, s)
                         else:
-                            _features(C, lambda c: T.buffer_store(out, tirx.const(0.0, f32),
-                                                                  [i, c]))
+                            r = T.Bind(s / sm)
+                            _features(C, lambda c: T.buffer_store(out, e[c] * r, [i, c]))
+                            T.buffer_store(out, out[i, y[i]] - s, [i, y[i]])
+                    with T.Else():
+                        _zero_row(out, i, C)
             _rows_in_parts(n, C, row)
             total = T.alloc_buffer((1,), f32)
             T.buffer_store(total, tirx.const(0.0, f32), [0])
