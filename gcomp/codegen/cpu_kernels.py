@@ -859,10 +859,14 @@ def _softmax_row(z, i, C: int, acc, keep=None):
     # bfloat16 vector load gave wrong values here
     raw = T.decl_buffer(z.shape, "uint16", data=z.data) if stored_bf16("z") else None
 
+    def columns(c0, lanes):
+        """Column c0, or the ``lanes`` columns from c0 as one vector index."""
+        return c0 if lanes == 1 else tirx.Ramp(tirx.Cast("int64", c0), tirx.const(1, "int64"),
+                                               lanes)
+
     def load(c0, lanes):
         x = "" if lanes == 1 else f"x{lanes}"
-        at = c0 if lanes == 1 else tirx.Ramp(tirx.Cast("int64", c0), tirx.const(1, "int64"),
-                                             lanes)
+        at = columns(c0, lanes)
         if raw is None:
             return z[i, at]
         bits = tirx.Cast("uint32" + x, raw[i, at]) << tirx.const(16, "uint32")
@@ -881,14 +885,13 @@ def _softmax_row(z, i, C: int, acc, keep=None):
         for v in parts[1:]:
             out = op(out, v)
         return T.Bind(out)
+
     def exps(c0, lanes):
         e = fast_exp(load(c0, lanes) - (mx if lanes == 1 else tirx.Broadcast(mx, lanes)))
         if keep is None:
             return e
-        at = c0 if lanes == 1 else tirx.Ramp(tirx.Cast("int64", c0), tirx.const(1, "int64"),
-                                             lanes)
-        T.buffer_store(keep, e, [at])
-        return keep[at]
+        T.buffer_store(keep, e, [columns(c0, lanes)])
+        return keep[columns(c0, lanes)]
     mx = over(load, tirx.max)
     sm = over(exps, lambda a, b: a + b)
     return mx, sm
