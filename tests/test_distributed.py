@@ -133,11 +133,14 @@ def artifacts(tmp_path_factory):
     d = tmp_path_factory.mktemp("dist")
     paths = []
     # GAT twice: fused attention and its fused backward with dropout of the coefficients
-    # (masks hashed by global edge ids) and without
-    for name, dropout in [(m, 0.5) for m in MODELS] + [("gat", 0.0)]:
-        m = models.build(name, 1433, hidden=16, out_channels=7, layers=2, heads=2,
+    # (masks hashed by global edge ids) and without; GIN with 3 layers too: its middle
+    # layer aggregates first and, without dropout, its backward aggregation over out-edges
+    # applies relu's gradient (h read on halo rows) to partial sums that ranks add up
+    for name, dropout, layers in ([(m, 0.5, 2) for m in MODELS] + [("gat", 0.0, 2)]
+                                  + [("gin", 0.0, 3)]):
+        m = models.build(name, 1433, hidden=16, out_channels=7, layers=layers, heads=2,
                          dropout=dropout)
-        p = d / f"{name}-{dropout}.gcomp"
+        p = d / f"{name}-{dropout}-{layers}.gcomp"
         compile_model(m, "llvm", train=True).save(p)
         paths.append(str(p))
     (d / "worker.py").write_text(WORKER)

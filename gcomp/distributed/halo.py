@@ -353,7 +353,7 @@ class DistExecutor(Executor):
                     # halo rows too, whose partial sums go to their owners
                     c["reads_src"], c["zero_halo"] = nodes[:2], []
                 elif c["kind"] == "reduce":
-                    c["zero_halo"] = self._additive_extras(s, ins)
+                    c["zero_halo"], c["reads_src"] = self._additive_extras(s, ins)
             else:
                 c["kind"] = "graph"
                 if "indices" in garrs:
@@ -381,33 +381,41 @@ class DistExecutor(Executor):
             c["kind"] = "edgesum"
         return c
 
-    def _additive_extras(self, s: dict, ins: list) -> list[str]:
-        """Row extras of an out-edge aggregation's fused epilogue.  Halo rows hold partial
-        sums that their owners add up, so an epilogue must be additive in node tensors
-        (``+ extra``, the gradient accumulation autodiff emits, or ``+ s * t``, a product
-        with a node tensor): zeroing the extras' halo rows then keeps the partial sums
-        exact.  The aggregated tensor itself may be one of them (GIN's ``+ (1 + eps) *
-        dy``): the shard's edges end at owned rows, so the sum reads it only there.
-        Anything else is refused."""
+    def _additive_extras(self, s: dict, ins: list) -> tuple[list[str], list[str]]:
+        """(row extras to zero on halo rows, row extras read there) of an out-edge
+        aggregation's fused epilogue.  Halo rows hold partial sums that their owners add
+        up, so an epilogue must keep the result linear in them: terms added (``+ extra``,
+        the gradient accumulation autodiff emits, or ``+ s * t``, a product with a node
+        tensor), whose extras' halo rows are zeroed, and an activation's gradient
+        (``elementwise_grad``: the partial sums times relu'(h)), whose h is read on halo
+        rows as the owners hold it, so the scaled partial sums add up to the scaled sum.
+        The aggregated tensor itself may be a term (GIN's ``+ (1 + eps) * dy``): the
+        shard's edges end at owned rows, so the sum reads it only there.  Anything else
+        is refused."""
         node_in = [n for _, n in ins if self._is_node(n)]
         extras = node_in[1:]  # node_in[0] is the aggregated tensor
         vec = [n for _, n in ins if not self._is_node(n) and not self._is_edge(n)]
         if not extras and not vec:
-            return []
+            return [], []
         ops = self.epilogues.get(s["node"])
         # products computed in the epilogue, each with a node tensor (fuse_epilogues):
         # zero on halo rows, whatever their other factors (a scalar such as GIN's 1 + eps)
         factors = {a for op, operand, args in ops or () if operand and op == "mul"
                    and any(x in self.plan.buffers and self._is_node(x) for x in args)
                    for a in args}
-        if (ops is None or any(not operand and op not in ("add", "reshape")
+        scales = [args[-1] for op, operand, args in ops or ()
+                  if op == "elementwise_grad" and not operand and len(args) == 2]
+        if (ops is None or any(not operand and op not in ("add", "reshape", "elementwise_grad")
                                or operand and op != "mul" for op, operand, _ in ops)
-                or any(v not in factors for v in vec)):
+                or any(v not in factors for v in vec)
+                or any(v in args for op, _, args in ops if op != "elementwise_grad"
+                       for v in scales)):  # a term would be zeroed, its scale must not
             raise DistributedError(
                 f"%{s['node']}: an aggregation over out-edges with a fused epilogue "
                 f"({', '.join(op for op, *_ in ops or [('unknown',)])}) cannot be split "
                 "across ranks; compile with the fuse_epilogues pass disabled")
-        return [self._root(n) for n in extras]
+        return ([self._root(n) for n in extras if n not in scales],
+                [self._root(n) for n in extras if n in scales])
 
     def _zero_halo_op(self, b: Binding, roots: list[str]):
         views = [self._view(b, r) for r in roots]
@@ -597,7 +605,7 @@ class DistExecutor(Executor):
                     (prologue if src not in written else before[i]).append((post, ()))
                 else:
                     after[w].append((post, ()))
-                if c["family"] == "csr_agg" and self.shard.n_own > 0:
+                if c["family"] == "csr_agg" and c["kind"] == "graph" and self.shard.n_own > 0:
                     main[i] = self._split(s, fn, args, wait)
                 else:
                     before[i].append((wait, ()))

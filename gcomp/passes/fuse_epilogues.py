@@ -17,8 +17,9 @@ Anchors and what they absorb:
   ``(1 + eps) * x`` added after the sum); a ``reshape`` between them is a free view.
   A matmul also absorbs an activation's gradient applied to it (``dy @ W.T`` times
   relu'(y), the backward of a layer), the activation's output or input read per
-  element.  (Not an aggregation over out-edges: the distributed runtime adds their
-  partial sums across ranks after the epilogue, so it must be additive.)
+  element; on CPU targets so does an aggregation (GIN's backward ``(A.T dz + (1 + eps)
+  * dz) * relu'(h)``: the gradient is linear in what it scales, so the distributed
+  runtime's partial sums of halo rows, each scaled by the same h, still add up).
   A binary member's other operand may itself be a binary op of such extra inputs that
   only this member uses (GIN's ``sum_j x_j + (1 + eps) * x``): it is computed per
   element in the epilogue (``meta["operand"]``), not stored and read back.  For an
@@ -88,7 +89,8 @@ def _absorbable_after_kernel(n, prev, anchor, cpu: bool) -> bool:
     if n.op in UNARY:
         return True
     if n.op == Op.ELEMENTWISE_GRAD:
-        return (anchor.op == Op.MATMUL and len(n.inputs) == 2 and n.inputs[0] is prev
+        return ((anchor.op == Op.MATMUL or anchor.op == Op.AGGREGATE and cpu)
+                and len(n.inputs) == 2 and n.inputs[0] is prev
                 and n.inputs[1] is not prev and n.ty.shape == prev.ty.shape
                 and _extra_ok(n.inputs[1], n.ty) and _materialized(n.inputs[1]))
     if n.op in OpGroup.Binary:
