@@ -28,7 +28,9 @@ steps (``_schedule``):
 * a kernel that writes node rows through *out*-edges (``csc_*``: the backward
   of an aggregation or of attention, scatter onto sources, out-degrees) leaves
   partial sums on halo rows: they are sent to their owners and added there (a
-  reduce).
+  reduce).  A fused epilogue keeps them linear: terms it adds are zeroed on halo
+  rows first, and a factor such as relu'(h) is read there, exchanged like a source
+  read (``_linear_extras``).
 * a kernel that sums over node rows into a non-node tensor (weight gradients
   ``x.T @ dy``, bias gradients, sums over nodes) sees owned rows only (a view),
   and its result is all-reduced (batched, before its first reader: usually the
@@ -353,7 +355,7 @@ class DistExecutor(Executor):
                     # halo rows too, whose partial sums go to their owners
                     c["reads_src"], c["zero_halo"] = nodes[:2], []
                 elif c["kind"] == "reduce":
-                    c["zero_halo"], c["reads_src"] = self._additive_extras(s, ins)
+                    c["zero_halo"], c["reads_src"] = self._linear_extras(s, ins)
             else:
                 c["kind"] = "graph"
                 if "indices" in garrs:
@@ -381,7 +383,7 @@ class DistExecutor(Executor):
             c["kind"] = "edgesum"
         return c
 
-    def _additive_extras(self, s: dict, ins: list) -> tuple[list[str], list[str]]:
+    def _linear_extras(self, s: dict, ins: list) -> tuple[list[str], list[str]]:
         """(row extras to zero on halo rows, row extras read there) of an out-edge
         aggregation's fused epilogue.  Halo rows hold partial sums that their owners add
         up, so an epilogue must keep the result linear in them: terms added (``+ extra``,
