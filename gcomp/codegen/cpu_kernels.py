@@ -890,8 +890,9 @@ def _softmax_row(z, i, C: int, acc, keep=None):
         e = fast_exp(load(c0, lanes) - (mx if lanes == 1 else tirx.Broadcast(mx, lanes)))
         if keep is None:
             return e
-        T.buffer_store(keep, e, [columns(c0, lanes)])
-        return keep[columns(c0, lanes)]
+        at = columns(c0, lanes)
+        T.buffer_store(keep, e, [at])
+        return keep[at]
     mx = over(load, tirx.max)
     sm = over(exps, lambda a, b: a + b)
     return mx, sm
