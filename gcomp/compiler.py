@@ -139,7 +139,7 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
     # memory over reproducibility on a GPU: backward aggregations scatter with atomics
     scatter = (tgt["kind"] == "cuda" and ctx.option("prefer") == "memory"
                and not ctx.option("deterministic"))
-    plan, specs = lower(ir_graph, formats, scatter)
+    plan, specs = lower(ir_graph, formats, scatter, gpu=tgt["kind"] == "cuda")
     ir = {"source": print_graph(model.graph),
           "optimized": print_graph(ir_graph, show_meta=True)}
     train_plan, opt = None, None
@@ -149,10 +149,10 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
         if "grads" not in tgraph.meta:
             raise CompileError("training needs the add_loss and autodiff passes; do not "
                                "disable them")
-        train_plan, tspecs = lower(tgraph, formats, scatter)
+        train_plan, tspecs = lower(tgraph, formats, scatter, gpu=tgt["kind"] == "cuda")
         train_plan.loss = tgraph.outputs[0].name
         train_plan.grads = dict(tgraph.meta["grads"])
-        add_optimizer(train_plan, tspecs, opt)
+        add_optimizer(train_plan, tspecs, opt, one_kernel=tgt["kind"] == "cuda")
         specs = {**specs, **tspecs}
         ir["training"] = print_graph(tgraph, show_meta=True)
     _set_thresholds([plan, train_plan], tgt, sparse_threshold)

@@ -79,6 +79,9 @@ def test_every_model_compiles_for_cuda(name, train, tmp_path):
     assert info["target"] == {"kind": "cuda", "arch": "sm_90"}
     assert info["device_code_format"] == "fatbin"
     assert info["kind"] == ("training" if train else "inference")
+    if train:  # the GPU plan's launches: one optimizer kernel, no weight transposed apart
+        kinds = [s["kernel"][3:].rsplit("_", 1)[0] for s in art.train_plan.steps]
+        assert kinds.count("adam_all") == 1 and "adam" not in kinds and "transpose" not in kinds
 
 
 # ops whose kernels (max aggregation and its gradient, fused attention without dropout

@@ -43,20 +43,23 @@ def test_matmul_tn_gpu_tiles_are_exact(K, M):
 @pytest.mark.parametrize("K,M,n", [(128, 32, 1000), (32, 40, 77), (602, 41, 50), (3, 7, 5),
                                    (64, 384, 130), (1433, 16, 40)])
 @pytest.mark.parametrize("epilogue", [False, True])
-def test_matmul_gpu_form(K, M, n, epilogue):
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_matmul_gpu_form(K, M, n, epilogue, trans_b):
     """The GPU's tiled product (padded rows and columns, the epilogue and the bound check
-    in the output block) against numpy in float64; the epilogue: bias, then relu."""
+    in the output block) against numpy in float64; the epilogue: bias, then relu.
+    ``trans_b``: given w as [M, K] (a backward's dy @ W.T), read transposed."""
     kw = {"epilogue": (("bias_add", (), 0, False), ("relu", (), None, False)),
           "extras": ("vec",)} if epilogue else {}
-    spec = KernelSpec.make("matmul", K=K, M=M, gpu=True, **kw)
+    spec = KernelSpec.make("matmul", K=K, M=M, gpu=True, trans_b=trans_b, **kw)
     fn = tvm.compile(tvm.IRModule({spec.name: define(spec)}), target="llvm")[spec.name]
     rng = np.random.default_rng(K + M)
     x = rng.standard_normal((n, K)).astype(np.float32)
     w = rng.standard_normal((K, M)).astype(np.float32)
     bias = rng.standard_normal(M).astype(np.float32)
     out = tvm.runtime.tensor(np.full((n, M), np.nan, np.float32))
-    fn(tvm.runtime.tensor(x), tvm.runtime.tensor(w), *([tvm.runtime.tensor(bias)] if epilogue
-                                                       else []), out)
+    given = np.ascontiguousarray(w.T) if trans_b else w
+    fn(tvm.runtime.tensor(x), tvm.runtime.tensor(given),
+       *([tvm.runtime.tensor(bias)] if epilogue else []), out)
     ref = x.astype(np.float64) @ w.astype(np.float64)
     if epilogue:
         ref = np.maximum(ref + bias, 0)
@@ -77,3 +80,52 @@ def test_matmul_gpu_tiles_are_exact(K, M):
     assert (t.R * t.KT) % threads == 0 and (t.KT * t.Mp) % threads == 0
     assert (t.R * t.KT + t.KT * t.Mp) * 4 <= GPU_TN_SHARED
     assert threads >= min(64, M * 8)
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd"])
+def test_one_kernel_updates_every_parameter_as_the_per_parameter_kernels(name):
+    """The GPU plan's optimizer step (``adam_all``, ``sgd_all``): parameters of several
+    sizes (a scalar among them) updated in place by one kernel give, bit for bit, what
+    the per-parameter kernels give, and match torch.optim's formulas in float64 over two
+    steps (Adam with L2 weight decay; SGD with momentum, dampening and Nesterov)."""
+    from gcomp.codegen.optimizer import OptimizerConfig
+    sizes = [12, 1, 40, 7]
+    cfg = OptimizerConfig(name=name, lr=0.05, weight_decay=0.01, momentum=0.9,
+                          dampening=0.1, nesterov=True)
+    hp = np.array(cfg.hparams(), np.float32)
+    nmom = 2 if name == "adam" else 1
+    rng = np.random.default_rng(3)
+    p0 = [rng.standard_normal(S).astype(np.float32) for S in sizes]
+    grads = [[rng.standard_normal(S).astype(np.float32) for S in sizes] for _ in range(2)]
+
+    def compiled(spec):
+        return tvm.compile(tvm.IRModule({spec.name: define(spec)}), target="llvm")[spec.name]
+    one = compiled(KernelSpec.make(f"{name}_all", sizes=sizes))
+    each = {S: compiled(KernelSpec.make(name, S=S)) for S in set(sizes)}
+    state = {k: [[tvm.runtime.tensor(p.copy())] + [tvm.runtime.tensor(np.zeros_like(p))
+                                                   for _ in range(nmom)] for p in p0]
+             for k in ("one", "each")}
+    for t, gs in enumerate(grads, 1):
+        step = tvm.runtime.tensor(np.array(t, np.int32))
+        hpt = tvm.runtime.tensor(hp)
+        args = []
+        for (p, *mom), g in zip(state["one"], gs):
+            args += [p, tvm.runtime.tensor(g), *mom]
+        one(*args, hpt, step)
+        for (p, *mom), g, S in zip(state["each"], gs, sizes):
+            each[S](p, tvm.runtime.tensor(g), *mom, hpt, step)
+    for a, b in zip(state["one"], state["each"]):
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x.numpy(), y.numpy())
+    lr, h1, h2, h3, wd = (float(v) for v in hp)
+    for j, p in enumerate(p0):  # torch.optim's update rules in float64
+        p, m, v = p.astype(np.float64), 0.0, 0.0
+        for t, gs in enumerate(grads, 1):
+            g = gs[j] + wd * p if name == "adam" else gs[j] + h3 * p
+            if name == "adam":
+                m, v = h1 * m + (1 - h1) * g, h2 * v + (1 - h2) * g * g
+                p = p - lr / (1 - h1 ** t) * m / (np.sqrt(v) / np.sqrt(1 - h2 ** t) + h3)
+            else:
+                m = g if t == 1 else h1 * m + (1 - h2) * g
+                p = p - lr * (g + h1 * m)  # Nesterov
+        np.testing.assert_allclose(state["one"][j][0].numpy(), p, rtol=1e-5, atol=1e-6)

@@ -248,8 +248,9 @@ def test_fuse_epilogues_computes_a_scaled_operand_in_the_epilogue():
     """GIN's sum_j x_j + (1 + eps) * x: the product is computed per element in the
     aggregation's epilogue instead of by a kernel of its own.  Over out-edges (whose
     extras the distributed runtime zeroes on halo rows) only a product with a node
-    tensor, which vanishes there, and only on CPU targets; where another value reads the
-    product, it stays stored."""
+    tensor, which vanishes there, and only where they gather (not on CUDA with
+    ``prefer=memory``, whose atomic scatters take only added extras); where another value
+    reads the product, it stays stored."""
     from gcomp.passes import FuseEpilogues
     text = """graph t(%x: f32[N,4], %dy: f32[N,4], %g: graph<coo>) {
   %eps = param[init="zeros"] : f32[]
@@ -269,29 +270,31 @@ def test_fuse_epilogues_computes_a_scaled_operand_in_the_epilogue():
   return %r, %t, %f, %u, %k
 }"""
 
-    def fused(target):
+    def fused(target, **options):
         g = parse_graph(text)
-        PassManager([FuseEpilogues()])(g, PassContext(target=target))
+        PassManager([FuseEpilogues()])(g, PassContext(target=target, options=options))
         assert print_graph(g) == print_graph(parse_graph(text))  # values unchanged
         return {n.name: {k: v for k, v in n.meta.items() if k in ("fused", "fused_into",
                                                                    "operand")} for n in g}
-    meta = fused("llvm")
+    for meta in (fused("llvm"), fused("cuda")):
+        assert meta["a"] == {"fused": ["m", "s", "r"]}
+        assert meta["m"] == {"fused_into": "a", "operand": True}
+        assert meta["b"] == {"fused": ["n", "t"]}
+        assert meta["n"] == {"fused_into": "b", "operand": True}
+        # eps + dy is eps on zeroed halo rows: not additive, stays stored
+        assert meta["o"] == {"fused": ["f"]} and "fused_into" not in meta["e"]
+        assert meta["c"] == {"fused": ["u"]} and "fused_into" not in meta["k"]  # an output
+    meta = fused("cuda", prefer="memory")
     assert meta["a"] == {"fused": ["m", "s", "r"]}
-    assert meta["m"] == {"fused_into": "a", "operand": True}
-    assert meta["b"] == {"fused": ["n", "t"]}
-    assert meta["n"] == {"fused_into": "b", "operand": True}
-    # eps + dy is eps on zeroed halo rows: not additive, stays stored
-    assert meta["o"] == {"fused": ["f"]} and "fused_into" not in meta["e"]
-    assert meta["c"] == {"fused": ["u"]} and "fused_into" not in meta["k"]  # %k is an output
-    meta = fused("cuda")
     assert meta["b"] == {"fused": ["t"]} and "fused_into" not in meta["n"]
 
 
 def test_fuse_epilogues_scales_an_aggregation_by_an_activation_gradient():
-    """GIN's backward ``(A.T dz + (1 + eps) * dz) * relu'(h)``: on CPU targets the
-    aggregation over out-edges applies the activation's gradient before it stores (no
-    kernel of its own reading the sum back); for CUDA it stays a kernel of its own, as
-    does a gradient whose activation value is computed by the chain itself."""
+    """GIN's backward ``(A.T dz + (1 + eps) * dz) * relu'(h)``: the aggregation over
+    out-edges applies the activation's gradient before it stores (no kernel of its own
+    reading the sum back), on the CPU and on CUDA; with CUDA's ``prefer=memory`` (atomic
+    scatters) it stays a kernel of its own, as does a gradient whose activation value is
+    computed by the chain itself."""
     from gcomp.passes import FuseEpilogues
     text = """graph t(%dz: f32[N,4], %h: f32[N,4], %g: graph<coo>) {
   %eps = param[init="zeros"] : f32[]
@@ -304,16 +307,16 @@ def test_fuse_epilogues_scales_an_aggregation_by_an_activation_gradient():
   return %d, %e
 }"""
 
-    def fused(target):
+    def fused(target, **options):
         g = parse_graph(text)
-        PassManager([FuseEpilogues()])(g, PassContext(target=target))
+        PassManager([FuseEpilogues()])(g, PassContext(target=target, options=options))
         assert print_graph(g) == print_graph(parse_graph(text))  # values unchanged
         return {n.name: {k: v for k, v in n.meta.items() if k in ("fused", "fused_into")}
                 for n in g}
-    meta = fused("llvm")
-    assert meta["b"] == {"fused": ["n", "t", "d"]} and meta["d"] == {"fused_into": "b"}
-    assert "fused" not in meta["c"] and "fused_into" not in meta["e"]
-    meta = fused("cuda")
+    for meta in (fused("llvm"), fused("cuda")):
+        assert meta["b"] == {"fused": ["n", "t", "d"]} and meta["d"] == {"fused_into": "b"}
+        assert "fused" not in meta["c"] and "fused_into" not in meta["e"]
+    meta = fused("cuda", prefer="memory")
     assert meta["b"] == {"fused": ["t"]} and "fused_into" not in meta["d"]
 
 

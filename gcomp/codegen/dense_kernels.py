@@ -113,11 +113,15 @@ def ewise(op: str, attrs: tuple, in_shapes: tuple, out_shape: tuple):
 
 
 @definer("matmul")
-def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = (), gpu: bool = False):
+def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = (), gpu: bool = False,
+           trans_b: bool = False):
     """out[i, j] = epilogue(sum_k x[i, k] * w[k, j]) (x: [n, K], w: [K, M]).  ``gpu``:
-    the tiled form of ``_matmul_gpu``."""
+    the tiled form of ``_matmul_gpu``; with ``trans_b`` it is given w as [M, K] (a
+    backward's ``dy @ W.T``) and reads it transposed while it stages it."""
     if gpu:
-        return _matmul_gpu(K, M, epilogue, extras, gpu_mm_tiles(K, M))
+        return _matmul_gpu(K, M, epilogue, extras, gpu_mm_tiles(K, M), trans_b)
+    if trans_b:
+        raise CompileError("matmul reads a transposed weight on the GPU only")
     n = tirx.Var("n", "int64")
     x = _input((n, K), "x")
     w = te.placeholder((K, M), "float32", name="w")
@@ -193,7 +197,8 @@ def gpu_mm_tiles(K: int, M: int) -> MmTiles:
     return best[1]
 
 
-def _matmul_gpu(K: int, M: int, epilogue: tuple, extras: tuple, tl: MmTiles):
+def _matmul_gpu(K: int, M: int, epilogue: tuple, extras: tuple, tl: MmTiles,
+                trans_b: bool = False):
     """The GPU's ``matmul``: staged copies ``xs`` (the block's rows of x, zero past the
     last row and column) and ``ws`` (w, zero-padded), the product ``acc`` over padded
     blocks of rows [blocks, R, Mp / nx, nx] (a thread's columns, ``nx`` apart, form an
@@ -208,7 +213,7 @@ def _matmul_gpu(K: int, M: int, epilogue: tuple, extras: tuple, tl: MmTiles):
             IB.func_attr({"tirx.noalias": True})
             n = tirx.Var("n", "int64")
             x = arg("x", (n, K), f32)
-            w = arg("w", (K, M), f32)
+            w = arg("w", (M, K) if trans_b else (K, M), f32)
             ext = [arg(f"e{i}", epi.shape(kind, n, M), f32) for i, kind in enumerate(extras)]
             # named as the generic form names its output: the precision pass retypes
             # arguments by name
@@ -230,11 +235,11 @@ def _matmul_gpu(K: int, M: int, epilogue: tuple, extras: tuple, tl: MmTiles):
             with IB.grid(Kp // KT, KT, Mp) as (kt, kk, j):
                 with IB.sblock("ws"):
                     vt, vk, vj = IB.axis.remap("SSS", [kt, kk, j])
-                    IB.reads(w[vt * KT + vk, vj])
+                    at = (vj, vt * KT + vk) if trans_b else (vt * KT + vk, vj)
+                    IB.reads(w[at])
                     IB.writes(ws[vt, vk, vj])
                     IB.buffer_store(ws, tirx.if_then_else(
-                        tirx.all(vt * KT + vk < K, vj < M), w[vt * KT + vk, vj], zero),
-                        [vt, vk, vj])
+                        tirx.all(vt * KT + vk < K, vj < M), w[at], zero), [vt, vk, vj])
             with IB.grid(nb, R, Mp // nx, nx, Kp // KT, KT) as (b, r, u, v, kt, kk):
                 with IB.sblock("acc"):
                     vb, vr, vu, vv, vt, vk = IB.axis.remap("SSSSRR", [b, r, u, v, kt, kk])
@@ -882,6 +887,69 @@ def sgd(S: int):
                 p[vi] = p[vi] - hp[0] * T.Select(hp[4] != T.float32(0),
                                                  g[vi] + hp[3] * p[vi] + hp[1] * b[vi], b[vi])
     return k
+
+
+def _adam_updates(p, g, m, v, hp, t, i):
+    """Adam's in-place stores into element ``i``, as (buffer, value) in order: ``adam``'s
+    expressions (p's update loads the moments just stored)."""
+    tf = T.Cast("float32", t[()])
+    return [(m, _adam_moment(g[i], p[i], m[i], hp[1], hp[4], False)),
+            (v, _adam_moment(g[i], p[i], v[i], hp[2], hp[4], True)),
+            (p, p[i] - hp[0] / (T.float32(1) - T.pow(hp[1], tf)) * m[i]
+             / (T.sqrt(v[i]) / T.sqrt(T.float32(1) - T.pow(hp[2], tf)) + hp[3]))]
+
+
+def _sgd_updates(p, g, b, hp, t, i):
+    """SGD's in-place stores into element ``i``: ``sgd``'s expressions."""
+    return [(b, T.Select(t[()] <= 1, g[i] + hp[3] * p[i],
+                         hp[1] * b[i] + (T.float32(1) - hp[2]) * (g[i] + hp[3] * p[i]))),
+            (p, p[i] - hp[0] * T.Select(hp[4] != T.float32(0),
+                                        g[i] + hp[3] * p[i] + hp[1] * b[i], b[i]))]
+
+
+def _update_all(kind: str, sizes: tuple, moments: tuple, updates):
+    """One kernel updating every parameter in place: a loop over all their values one
+    after another, each value's parameter found by comparing its index with the
+    parameters' offsets.  Arguments: each parameter's value, gradient and ``moments``
+    (flat), then hp and t.  The GPU plan's choice (``codegen/optimizer.py``): one launch
+    instead of one a parameter."""
+    f32 = "float32"
+    total = sum(sizes)
+    with IRBuilder() as ib:
+        with IB.prim_func(s_tir=True):
+            IB.func_name(f"{kind}_all")
+            IB.func_attr({"tirx.noalias": True})
+            groups = [[arg(f"{name}{j}", (S,), f32) for name in ("p", "g", *moments)]
+                      for j, S in enumerate(sizes)]
+            hp = arg("hp", (5,), f32)
+            t = arg("t", (), "int32")
+            with IB.grid(total) as i:
+                with IB.sblock(kind):
+                    vi = IB.axis.spatial(total, i)
+                    # in place, element by element: declared as ``adam`` declares them
+                    IB.reads(*[bufs[1][0:S] for bufs, S in zip(groups, sizes)], hp[0:5], t[()])
+                    IB.writes(*[b[0:S] for bufs, S in zip(groups, sizes)
+                                for k, b in enumerate(bufs) if k != 1])
+                    start = 0
+                    for bufs, S in zip(groups, sizes):
+                        with IB.If(tirx.all(start <= vi, vi < start + S)):
+                            with IB.Then():
+                                for buf, value in updates(*bufs, hp, t, vi - start):
+                                    IB.buffer_store(buf, value, [vi - start])
+                        start += S
+    return ib.get()
+
+
+@definer("adam_all")
+def adam_all(sizes: tuple):
+    """``adam`` on every parameter (of ``sizes`` values each) in one kernel."""
+    return _update_all("adam", sizes, ("m", "v"), _adam_updates)
+
+
+@definer("sgd_all")
+def sgd_all(sizes: tuple):
+    """``sgd`` on every parameter in one kernel."""
+    return _update_all("sgd", sizes, ("b",), _sgd_updates)
 
 
 def _lanes(C: int) -> int:

@@ -87,8 +87,10 @@ def _node_inputs_of(v: Node) -> list[str]:
 
 
 class _Lowering:
-    def __init__(self, graph: Graph, formats: tuple = (), scatter: bool = False):
+    def __init__(self, graph: Graph, formats: tuple = (), scatter: bool = False,
+                 gpu: bool = False):
         self.graph = graph
+        self.gpu = gpu
         self.plan = Plan()
         self.specs: dict[str, KernelSpec] = {}
         self.formats = tuple(formats)
@@ -344,9 +346,10 @@ class _Lowering:
             else:
                 x, w = anchor.inputs
                 feat = None if anchor.attrs["trans_b"] else self.feature_operand(x)
-                wbuf, (K, M) = (self.transposed(anchor, w) if anchor.attrs["trans_b"]
-                                else (w.name, w.ty.shape))
-                spec = KernelSpec.make("matmul", K=int(K), M=int(M), epilogue=chain, extras=kinds)
+                wbuf, K, M, tb = (self.transposed(anchor, w) if anchor.attrs["trans_b"]
+                                  else (w.name, *w.ty.shape, {}))
+                spec = KernelSpec.make("matmul", K=int(K), M=int(M), epilogue=chain, extras=kinds,
+                                       **tb)
                 s = self.step(anchor, spec, [self.arg(x), self.arg(wbuf)] + ext_args
                               + [self.arg(tail)], unless=self.variant(feat[0]) if feat else None)
                 # the epilogue reads a row extra at the element it stores, after the sum
@@ -617,9 +620,9 @@ class _Lowering:
                 self.sparse_feature_grad(n, feat[0], feat[1], w, agg=feat[2])
             return
         if n.attrs["trans_b"]:  # x @ w.T
-            wt, (K, M) = self.transposed(n, w)
-            self.step(n, KernelSpec.make("matmul", K=K, M=M), [self.arg(x), self.arg(wt),
-                                                                self.arg(n)])
+            wt, K, M, tb = self.transposed(n, w)
+            self.step(n, KernelSpec.make("matmul", K=K, M=M, **tb),
+                      [self.arg(x), self.arg(wt), self.arg(n)])
             return
         spec = KernelSpec.make("matmul", K=int(w.ty.shape[0]), M=int(w.ty.shape[1]))
         self.step(n, spec, [self.arg(x), self.arg(w), self.arg(n)],
@@ -627,13 +630,17 @@ class _Lowering:
         if feat:
             self.sparse_feature_matmul(n, feat[0], feat[1], w, n, agg=feat[2])
 
-    def transposed(self, n: Node, w: Node) -> tuple[str, tuple[int, int]]:
-        """The buffer holding w.T for matmul ``n`` (transposed by a step before it: w is
-        a small static weight matrix), and its shape."""
-        K, M = int(w.ty.shape[0]), int(w.ty.shape[1])
-        wt = self.buffer(n, dims=[M, K], name=f"{n.name}.wT")
-        self.step(n, KernelSpec.make("transpose", K=K, M=M), [self.arg(w), self.arg(wt)])
-        return wt, (M, K)
+    def transposed(self, n: Node, w: Node) -> tuple[str, int, int, dict]:
+        """The weight operand of ``x @ w.T`` for matmul ``n``: (buffer, K, M of the product,
+        the spec's extra parameters).  The GPU's product reads w transposed while it stages
+        it (``trans_b``); elsewhere a step before it writes w.T (w is a small static weight
+        matrix), so the product's vector loop runs along w's rows."""
+        M, K = int(w.ty.shape[0]), int(w.ty.shape[1])
+        if self.gpu:
+            return w.name, K, M, {"trans_b": True}
+        wt = self.buffer(n, dims=[K, M], name=f"{n.name}.wT")
+        self.step(n, KernelSpec.make("transpose", K=M, M=K), [self.arg(w), self.arg(wt)])
+        return wt, K, M, {}
 
     def lower_elementwise(self, n: Node) -> None:
         self.buffer(n)
@@ -813,10 +820,11 @@ class _Lowering:
         self.buffer(n, alias=root)
 
 
-def lower(graph: Graph, formats: tuple = (), scatter: bool = False
+def lower(graph: Graph, formats: tuple = (), scatter: bool = False, gpu: bool = False
           ) -> tuple[Plan, dict[str, KernelSpec]]:
     """``formats``: the adjacency formats besides CSR the target has kernels for.
     ``scatter`` (CUDA only: atomics): aggregations over out-edges whose epilogue only adds
     scatter over the forward CSR (``csr_scatter``) instead of gathering over the CSC
-    arrays, so the transposed graph is never built."""
-    return _Lowering(graph, formats, scatter).run()
+    arrays, so the transposed graph is never built.  ``gpu``: the plan is CUDA's (its
+    products read a transposed weight as it is; ``transposed``)."""
+    return _Lowering(graph, formats, scatter, gpu).run()

@@ -17,15 +17,18 @@ Anchors and what they absorb:
   ``(1 + eps) * x`` added after the sum); a ``reshape`` between them is a free view.
   A matmul also absorbs an activation's gradient applied to it (``dy @ W.T`` times
   relu'(y), the backward of a layer), the activation's output or input read per
-  element; on CPU targets so does an aggregation (GIN's backward ``(A.T dz + (1 + eps)
+  element; so does an aggregation that gathers (GIN's backward ``(A.T dz + (1 + eps)
   * dz) * relu'(h)``: the gradient is linear in what it scales, so the distributed
   runtime's partial sums of halo rows, each scaled by the same h, still add up).
+  Aggregations over out-edges gather over the transposed graph on every target but
+  CUDA with ``prefer=memory``, which scatters them with atomics: an epilogue there must
+  only add (``codegen/scatter_kernel.py``), so those take in nothing over out-edges.
   A binary member's other operand may itself be a binary op of such extra inputs that
   only this member uses (GIN's ``sum_j x_j + (1 + eps) * x``): it is computed per
   element in the epilogue (``meta["operand"]``), not stored and read back.  For an
   aggregation over out-edges (whose extras the distributed runtime zeroes on halo rows)
   only a product with a tensor shaped like the result, added, which vanishes there:
-  GIN's backward ``A.T dy + (1 + eps) * dy`` (CPU targets).
+  GIN's backward ``A.T dy + (1 + eps) * dy`` (where it gathers).
 * any elementwise op (``elementwise_grad`` included): the elementwise ops it reads
   whose value only it uses, of its shape, and theirs in turn: a tree evaluated per
   element in one kernel (autodiff's gradient sums, ``dy + ds_dst * a_dst + ds_src *
@@ -83,13 +86,13 @@ def _materialized(v) -> bool:
     return "fused_into" not in v.meta or v.meta.get("tail", False)
 
 
-def _absorbable_after_kernel(n, prev, anchor, cpu: bool) -> bool:
+def _absorbable_after_kernel(n, prev, anchor, gathers: bool) -> bool:
     if n.op == Op.RESHAPE:
         return True
     if n.op in UNARY:
         return True
     if n.op == Op.ELEMENTWISE_GRAD:
-        return ((anchor.op == Op.MATMUL or anchor.op == Op.AGGREGATE and cpu)
+        return ((anchor.op == Op.MATMUL or anchor.op == Op.AGGREGATE and gathers)
                 and len(n.inputs) == 2 and n.inputs[0] is prev
                 and n.inputs[1] is not prev and n.ty.shape == prev.ty.shape
                 and _extra_ok(n.inputs[1], n.ty) and _materialized(n.inputs[1]))
@@ -97,16 +100,16 @@ def _absorbable_after_kernel(n, prev, anchor, cpu: bool) -> bool:
         other = n.inputs[1] if n.inputs[0] is prev else n.inputs[0]
         return (other is not prev and n.ty.shape == prev.ty.shape
                 and (_extra_ok(other, n.ty) and _materialized(other)
-                     or _computed_operand(other, n, anchor, cpu)))
+                     or _computed_operand(other, n, anchor, gathers)))
     return False
 
 
-def _computed_operand(v, user, anchor, cpu: bool) -> bool:
+def _computed_operand(v, user, anchor, gathers: bool) -> bool:
     """Can operand ``v`` of epilogue member ``user`` be computed in the epilogue: a binary
     op of extra inputs, shaped like the result, that only ``user`` reads?  Over out-edges
     only a product with a tensor shaped like the result, added (``_vanishes_on_halo``)."""
     if (anchor.op == Op.AGGREGATE and anchor.attrs["flow"] == "out"
-            and not (cpu and user.op == Op.ADD and _vanishes_on_halo(v, user))):
+            and not (gathers and user.op == Op.ADD and _vanishes_on_halo(v, user))):
         return False
     return (v.op in OpGroup.Binary and v.ty == user.ty and len(v.users) == 1
             and v not in v.graph.outputs and sum(i is v for i in user.inputs) == 1
@@ -186,11 +189,12 @@ class FuseEpilogues(Pass):
             for key in ("fused", "fused_into", "tail", "operand"):
                 n.meta.pop(key, None)
         changed = False
-        cpu = ctx is None or ctx.target != "cuda"
+        # out-edge aggregations gather (see the module docstring) unless they scatter
+        gathers = ctx is None or ctx.target != "cuda" or ctx.option("prefer") != "memory"
         for n in graph:  # kernels, with the elementwise ops after them
             if n.op in (Op.AGGREGATE, Op.ATTENTION_AGGREGATE) or (n.op == Op.MATMUL
                                                                   and not n.attrs["trans_a"]):
-                changed |= _group(n, self._epilogue(n, graph, cpu))
+                changed |= _group(n, self._epilogue(n, graph, gathers))
         order = {n: k for k, n in enumerate(graph)}
         for t in reversed(graph.nodes):  # elementwise trees, into the op that ends them
             if "fused" in t.meta or "fused_into" in t.meta or not _tree_root(t):
@@ -202,17 +206,17 @@ class FuseEpilogues(Pass):
         return changed
 
     @staticmethod
-    def _epilogue(n, graph, cpu: bool) -> list:
+    def _epilogue(n, graph, gathers: bool) -> list:
         members, prev = [], n
         while True:
             u = _sole_user(prev, graph)
             if (u is None or "fused_into" in u.meta
-                    or not _absorbable_after_kernel(u, prev, n, cpu)
+                    or not _absorbable_after_kernel(u, prev, n, gathers)
                     or u.meta.get("phase") != n.meta.get("phase")):
                 break
             if u.op in OpGroup.Binary:
                 other = u.inputs[1] if u.inputs[0] is prev else u.inputs[0]
-                if _computed_operand(other, u, n, cpu):  # evaluated in the epilogue, not stored
+                if _computed_operand(other, u, n, gathers):  # evaluated in the epilogue, not stored
                     other.meta["operand"] = True
                     members.append(other)
             members.append(u)

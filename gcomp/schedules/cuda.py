@@ -513,8 +513,8 @@ def schedule(sch, spec) -> None:
         _elementwise(sch, "norm")
     elif kind == "edge_dot":
         _edge_dot(sch)
-    elif kind in ("adam", "sgd"):
-        _elementwise(sch, kind)
+    elif kind in ("adam", "sgd", "adam_all", "sgd_all"):
+        _elementwise(sch, kind.removesuffix("_all"))
     elif kind in ("ewise", "ewise_grad", "ewise_chain", "broadcast", "slice", "transpose"):
         _elementwise(sch, "ewise")
     elif kind == "concat":
