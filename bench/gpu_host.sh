@@ -2,9 +2,10 @@
 # On a GPU host without TVM: install the runtime bundle (../shared/tools/gpu_bundle.sh .gpu)
 # into a private directory, then run the GPU tests on artifacts prepared elsewhere and the
 # GPU benchmark (docs/cuda.md, "Testing and benchmarking on a GPU host").
-#   [MODELS='gcn sage'] bench/gpu_host.sh BUNDLE ARTIFACTS OUT [bench.gpu run options...]
+#   [MODELS='gcn sage'] [TESTS_K=EXPR] bench/gpu_host.sh BUNDLE ARTIFACTS OUT [bench.gpu run options...]
 # ARTIFACTS holds tests/ (GCOMP_GPU_PREPARE=ARTIFACTS/tests pytest tests/gpu) and bench/
 # (python -m bench.gpu prepare ARTIFACTS/bench); OUT receives the logs and results.
+# TESTS_K: run only the GPU tests pytest -k selects (those prepared with the same -k).
 set -uo pipefail
 bundle=$(realpath "$1") arts=$(realpath "$2") out=$(realpath -m "$3")
 shift 3
@@ -27,6 +28,7 @@ cd "$work"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/device.txt"
 if [ -d "$arts/tests" ]; then
   GCOMP_GPU_ARTIFACTS="$arts/tests" python3 -m pytest tests/gpu -q -rs -p no:cacheprovider \
+    ${TESTS_K:+-k "$TESTS_K"} \
     2>&1 | tee "$out/gpu-tests.log"
 fi
 if [ -d "$arts/bench" ]; then

@@ -311,8 +311,9 @@ def test_loss_and_its_gradient_against_numpy(C, n):
 def test_products_against_numpy(K, M, n, knobs, monkeypatch):
     """The GPU product as scheduled (x's and w's tiles staged in shared memory, a register
     tile per thread); rows past n and padded columns never stored; with the bias and relu
-    epilogue; against numpy in float64.  Also with the tuning knobs: no limit on a
-    block's rows (64 by default), and then 32 results a thread."""
+    epilogue; given w transposed (a backward's dy @ W.T: its tile copied along W's rows
+    into odd-strided shared rows); against numpy in float64.  Also with the tuning knobs:
+    no limit on a block's rows (64 by default), and then 32 results a thread."""
     from gcomp.codegen.dense_kernels import MM_RESULTS_ENV, MM_ROWS_ENV, gpu_mm_tiles
     for key, value in knobs.items():
         monkeypatch.setenv(key, value)
@@ -327,25 +328,31 @@ def test_products_against_numpy(K, M, n, knobs, monkeypatch):
     bias = rng.standard_normal(M).astype(np.float32)
     lib = EmulatedLibrary({"mm": KernelSpec.make("matmul", K=K, M=M),
                            "epi": KernelSpec.make("matmul", K=K, M=M, extras=("vec",), epilogue=(
-                               ("bias_add", (), 0, False), ("relu", (), None, False)))})
+                               ("bias_add", (), 0, False), ("relu", (), None, False))),
+                           "wT": KernelSpec.make("matmul", K=K, M=M, trans_b=True)})
     ref = x.astype(np.float64) @ w
-    for name, extra, expect in (("mm", [], ref), ("epi", [bias], np.maximum(ref + bias, 0))):
+    for name, args, expect in (("mm", [w], ref), ("epi", [w, bias], np.maximum(ref + bias, 0)),
+                               ("wT", [np.ascontiguousarray(w.T)], ref)):
         out = np.full((n, M), np.nan, np.float32)
-        lib[name](x, w, *extra, out)
+        lib[name](x, *args, out)
         np.testing.assert_allclose(out, expect, rtol=1e-5, atol=1e-4 * np.sqrt(K))
 
 
-@pytest.mark.parametrize("rows", [None, "32"])
+@pytest.mark.parametrize("knob", [None, "rows32", "waves2"])
 @pytest.mark.parametrize("K,M,n", [(40, 40, 3000), (3, 8, 5), (602, 128, 40)])
-def test_weight_gradients_against_numpy(K, M, n, rows, monkeypatch):
+def test_weight_gradients_against_numpy(K, M, n, knob, monkeypatch):
     """The GPU weight gradient x^T y (chunk partials, then a warp per result element adding
     them): chunks that divide by a warp and one that does not (602 x 128: 26 chunks), fewer
     rows than chunks, against numpy in float64; also with 32 rows staged per step
-    (``GCOMP_CUDA_TN_ROWS``)."""
-    from gcomp.codegen.dense_kernels import TN_ROWS_ENV, gpu_tn_tiles
-    if rows:
-        monkeypatch.setenv(TN_ROWS_ENV, rows)
+    (``GCOMP_CUDA_TN_ROWS``) and with twice the chunks (``GCOMP_CUDA_TN_WAVES``)."""
+    from gcomp.codegen.dense_kernels import TN_ROWS_ENV, TN_WAVES_ENV, gpu_tn_tiles
+    chunks = gpu_tn_tiles(K, M).P
+    if knob == "rows32":
+        monkeypatch.setenv(TN_ROWS_ENV, "32")
         assert gpu_tn_tiles(K, M).R >= 32
+    if knob == "waves2":
+        monkeypatch.setenv(TN_WAVES_ENV, "2")
+        assert gpu_tn_tiles(K, M).P > chunks
     from gcomp.codegen.kernels import KernelSpec
     from gcomp.debug.cuda_emulator import EmulatedLibrary
     rng = np.random.default_rng(K + M + n)
@@ -354,4 +361,4 @@ def test_weight_gradients_against_numpy(K, M, n, rows, monkeypatch):
     out = np.full((K, M), np.nan, np.float32)
     EmulatedLibrary({"k": KernelSpec.make("matmul_tn", K=K, M=M)})["k"](x, y, out)
     np.testing.assert_allclose(out, x.astype(np.float64).T @ y, rtol=1e-5, atol=1e-4)
-    assert (K, M) != (602, 128) or gpu_tn_tiles(K, M).P % 32
+    assert (K, M) != (602, 128) or chunks % 32

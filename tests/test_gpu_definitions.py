@@ -64,6 +64,13 @@ def test_matmul_gpu_form(K, M, n, epilogue, trans_b):
     if epilogue:
         ref = np.maximum(ref + bias, 0)
     np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-4 * np.sqrt(K))
+    if trans_b:  # the CPU's definition reads it likewise (the bf16 pass reads its names)
+        cpu = KernelSpec.make("matmul", K=K, M=M, trans_b=True, **kw)
+        fn = tvm.compile(tvm.IRModule({cpu.name: define(cpu)}), target="llvm")[cpu.name]
+        out = tvm.runtime.tensor(np.full((n, M), np.nan, np.float32))
+        fn(tvm.runtime.tensor(x), tvm.runtime.tensor(given),
+           *([tvm.runtime.tensor(bias)] if epilogue else []), out)
+        np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-4 * np.sqrt(K))
 
 
 @pytest.mark.parametrize("K", [1, 3, 32, 128, 602, 1433])

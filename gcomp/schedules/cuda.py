@@ -330,14 +330,16 @@ def _stage_in_shared(sch, names, at, ny: int, nx: int) -> None:
         sch.bind(fx, "threadIdx.x")
 
 
-def _matmul(sch, K: int, M: int) -> None:
+def _matmul(sch, K: int, M: int, trans_b: bool = False) -> None:
     """GPU definition (``gpu=True``, tiles from ``gpu_mm_tiles``): a block per ``R`` rows;
     per step of ``KT`` columns of x its threads copy the rows' slice of x and ``KT`` rows
     of w into shared memory (neighbouring floats), then each thread adds the products
     into its ``ta`` x ``tb`` register tile; the output block (epilogue, bound check)
     follows each thread's tile.  (The form before gave each thread 4 rows of one column
     straight from global memory: 0.21 ms for 128 -> 32 on arxiv-size rows, 0.76 ms for
-    128 -> 128, about 7x the FLOP floor.)"""
+    128 -> 128, about 7x the FLOP floor.)  ``trans_b``: w's tile is copied along w's
+    columns, its rows in shared memory padded to an odd stride, so the copy's stores
+    (a column of the tile per warp) fall in separate banks."""
     from gcomp.codegen.dense_kernels import gpu_mm_tiles
     tl = gpu_mm_tiles(K, M)
     acc = sch.get_sblock("acc")
@@ -350,6 +352,8 @@ def _matmul(sch, K: int, M: int) -> None:
     sch.set_scope(acc, 0, "local")
     sch.reverse_compute_at(sch.get_sblock("out"), v)
     _stage_in_shared(sch, ("xs", "ws"), kt, tl.ny, tl.nx)
+    if trans_b:
+        sch.storage_align(sch.get_sblock("ws"), 0, axis=1, factor=32, offset=1)
     sch.decompose_reduction(acc, kt)
 
 
@@ -520,7 +524,7 @@ def schedule(sch, spec) -> None:
     elif kind == "concat":
         _elementwise(sch, "concat")
     elif kind == "matmul":
-        _matmul(sch, p["K"], p["M"])
+        _matmul(sch, p["K"], p["M"], p.get("trans_b", False))
     elif kind == "matmul_tn":
         _matmul_tn(sch, p["K"], p["M"])
     elif kind == "colsum":
