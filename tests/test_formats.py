@@ -3,6 +3,7 @@ the float64 interpreter, and the cost model that chooses between them and CSR.""
 
 import json
 import re
+from collections import defaultdict
 
 import numpy as np
 import pytest
@@ -546,10 +547,33 @@ def test_calibration_under_load_is_taken_again_and_not_kept(tmp_path, monkeypatc
     def measure():
         calls.append(1)
         return {"csr_edge_ns": float(len(calls))}
-    assert calibrate._cached("formats", tmp_path / "0123abcd.so", [32], measure) == {
-        "csr_edge_ns": float(measured)}
+    assert calibrate._cached("formats", tmp_path / "0123abcd.so", [32], measure) == (
+        {"csr_edge_ns": float(measured)}, kept)
     assert len(calls) == measured
     assert bool(list((tmp_path / "calibration").glob("*.json"))) == kept
+
+
+def test_format_costs_taken_under_load_serve_one_compile(tmp_path, monkeypatch):
+    """Costs measured on a busy machine are not held for the process either: the next
+    compile measures again, and a quiet measurement is then reused."""
+    from gcomp.codegen import build, calibrate
+    monkeypatch.setenv("GCOMP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibrate, "_FORMAT_COSTS", {})
+    monkeypatch.setattr(build, "build_library", lambda specs, target: tmp_path / "0123abcd.so")
+    monkeypatch.setattr(tvm.runtime, "load_module", lambda path: defaultdict(object))
+    loads = iter([1.0, 1.0, 0.0])  # busy twice (first compile), then quiet
+    monkeypatch.setattr(calibrate, "CpuMonitor", lambda: _Load(next(loads)))
+    calls = []
+
+    def measure(fn, F, *args):
+        calls.append(F)
+        return {"csr_edge_ns": float(len(calls))}
+    monkeypatch.setattr(calibrate, "_measure_formats", measure)
+    target = {"kind": "llvm"}
+    assert calibrate.calibrate_formats([32], target) == {"32": {"csr_edge_ns": 2.0}}
+    assert calibrate.calibrate_formats([32], target) == {"32": {"csr_edge_ns": 3.0}}
+    assert calibrate.calibrate_formats([32], target) == {"32": {"csr_edge_ns": 3.0}}
+    assert calls == [32, 32, 32]
 
 
 def test_calibration_is_kept_on_disk(tmp_path, monkeypatch):
@@ -564,12 +588,12 @@ def test_calibration_is_kept_on_disk(tmp_path, monkeypatch):
         calls.append(1)
         return {"csr_edge_ns": 1.5 * len(calls)}
     lib = tmp_path / "0123abcd.so"
-    assert calibrate._cached("formats", lib, [32], measure) == {"csr_edge_ns": 1.5}
-    assert calibrate._cached("formats", lib, [32], measure) == {"csr_edge_ns": 1.5}
+    assert calibrate._cached("formats", lib, [32], measure) == ({"csr_edge_ns": 1.5}, True)
+    assert calibrate._cached("formats", lib, [32], measure) == ({"csr_edge_ns": 1.5}, True)
     assert len(calls) == 1
     calibrate._cached("formats", tmp_path / "4567ef.so", [32], measure)  # changed kernels
     calibrate._cached("formats", lib, [64], measure)  # another width
     assert len(calls) == 3
     for f in (tmp_path / "calibration").glob("*.json"):
         f.write_text("{damaged")
-    assert calibrate._cached("formats", lib, [32], measure) == {"csr_edge_ns": 6.0}
+    assert calibrate._cached("formats", lib, [32], measure) == ({"csr_edge_ns": 6.0}, True)

@@ -76,15 +76,16 @@ def _machine() -> list:
             os.environ.get("TVM_NUM_THREADS")]
 
 
-def _cached(kind: str, lib_path: Path, params: list, measure):
-    """``measure()`` for the kernels of ``lib_path`` with ``params`` on this machine, from
-    the disk cache when it was measured before (a damaged entry is measured again)."""
+def _cached(kind: str, lib_path: Path, params: list, measure) -> tuple:
+    """(``measure()`` for the kernels of ``lib_path`` with ``params`` on this machine,
+    whether it is kept): from the disk cache when it was measured before (a damaged entry
+    is measured again); a measurement taken on a busy machine is not kept."""
     from gcomp.codegen.build import cache_dir
     key = hashlib.sha256(json.dumps([kind, PROTOCOL, lib_path.name, params,
                                      _machine()]).encode())
     path = cache_dir() / "calibration" / f"{kind}-{key.hexdigest()[:24]}.json"
     try:
-        return json.loads(path.read_text())
+        return json.loads(path.read_text()), True
     except (OSError, ValueError):
         pass
     for _ in range(2):
@@ -94,13 +95,13 @@ def _cached(kind: str, lib_path: Path, params: list, measure):
         if load is None or load <= BUSY_CORES:
             break
     else:  # busy both times: good enough for this compile, not for the next ones
-        return json.loads(json.dumps(value))  # the same shape as a value read back
+        return json.loads(json.dumps(value)), False  # the same shape as a value read back
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
     with os.fdopen(fd, "w") as f:
         json.dump(value, f)
     os.replace(tmp, path)  # atomic: concurrent compiles never read half a file
-    return value
+    return value, True
 
 
 def calibrate_sparse_threshold(K: int, M: int, target: dict, training: bool = False,
@@ -118,7 +119,7 @@ def calibrate_sparse_threshold(K: int, M: int, target: dict, training: bool = Fa
         specs["sparse_grad"] = KernelSpec.make("csr_agg", reduce="sum", H=1, C=M, weight="edge",
                                                indirect=True)
     lib_path = build_library({s.name: s for s in specs.values()}, target)
-    threshold, table = _cached("sparse", lib_path, [K, M, training, rows, seed],
+    (threshold, table), _ = _cached("sparse", lib_path, [K, M, training, rows, seed],
                                lambda: _measure_sparse(tvm.runtime.load_module(str(lib_path)),
                                                        specs, K, M, training, rows, seed))
     return threshold, table
@@ -161,7 +162,7 @@ def _measure_sparse(lib, specs: dict, K: int, M: int, training: bool, rows: int,
     return threshold, table
 
 
-_FORMAT_COSTS: dict = {}  # (target, width) -> costs; measuring takes a few seconds
+_FORMAT_COSTS: dict = {}  # (target, width) -> costs kept; measuring takes a few seconds
 LARGE_LAYOUT_BYTES = 64 << 20  # twice the last-level cache gcomp was tuned on
 GATHER_ROWS = 1 << 18  # at most, rows of the graph whose random gathers miss the cache
 
@@ -192,6 +193,7 @@ def calibrate_formats(widths, target: dict, block: int = 32, rows: int = 2048,
         raise ValueError("adjacency formats are measured on the host CPU only")
     key = str(sorted(target.items()))
     todo = [F for F in sorted(set(widths)) if (key, F) not in _FORMAT_COSTS]
+    costs = {F: _FORMAT_COSTS[(key, F)] for F in set(widths) if F not in todo}
     if todo:
         specs = {("csr", F): KernelSpec.make("csr_agg", reduce="sum", H=1, C=F, weight="edge")
                  for F in todo}
@@ -210,9 +212,12 @@ def calibrate_formats(widths, target: dict, block: int = 32, rows: int = 2048,
                 fn.update({k: lib[s.name] for k, s in specs.items()})
             return _measure_formats(fn, F, block, rows, seed)
         for F in todo:
-            _FORMAT_COSTS[(key, F)] = _cached("formats", lib_path, [F, block, rows, seed],
-                                              lambda F=F: measure(F))
-    return {str(F): _FORMAT_COSTS[(key, F)] for F in set(widths)}
+            costs[F], kept = _cached("formats", lib_path, [F, block, rows, seed],
+                                     lambda F=F: measure(F))
+            if kept:  # one taken under load serves this compile only, like on disk: held
+                # for the process, it priced CSR for Cora above dense in every later compile
+                _FORMAT_COSTS[(key, F)] = costs[F]
+    return {str(F): costs[F] for F in set(widths)}
 
 
 def _row_formats(fn, F: int, graphs: list, x, out, suffix: str) -> dict:
