@@ -58,8 +58,9 @@ SPMM_WIDTHS = (32, 128)
 SPMM_VARIANT = "lanes32"  # the SpMM with a warp per 32-feature row (schedules/cuda.py)
 # the CUDA schedules' tuning knobs, read while compiling (docs/cuda.md, Tuning knobs);
 # spelled out: `run` parses these arguments on a GPU host without TVM's compiler
-KNOBS = ("GCOMP_CUDA_AGG_MIN_LANES", "GCOMP_CUDA_TN_ROWS", "GCOMP_CUDA_TN_WAVES",
-         "GCOMP_CUDA_MM_RESULTS", "GCOMP_CUDA_MM_ROWS")
+KNOBS = ("GCOMP_CUDA_AGG_MIN_LANES", "GCOMP_CUDA_AGG_COLUMNS", "GCOMP_CUDA_EDGE_GROUP",
+         "GCOMP_CUDA_TN_ROWS", "GCOMP_CUDA_TN_WAVES", "GCOMP_CUDA_MM_RESULTS",
+         "GCOMP_CUDA_MM_ROWS")
 ACCURACY_EPOCHS = 200  # Cora, GCN 2 x 16, Adam lr 0.01, weight decay 5e-4: the runs of
                        # bench.cuda_emulated_accuracy, so the GPU's figures meet the emulator's
 

@@ -83,10 +83,11 @@ def test_prepare_with_a_tuning_knob(tmp_path):
         cuda_build.find_nvcc()
     except CompileError as e:
         pytest.skip(f"prepare compiles CUDA code: {e}")
-    from gcomp.schedules.cuda import AGG_MIN_LANES_ENV
+    from gcomp.codegen.aggregate_kernel import EDGE_GROUP_ENV
+    from gcomp.schedules.cuda import AGG_COLUMNS_ENV, AGG_MIN_LANES_ENV
     # the names the compiler reads
-    assert set(gpu.KNOBS) == {AGG_MIN_LANES_ENV, TN_ROWS_ENV, TN_WAVES_ENV, MM_RESULTS_ENV,
-                              MM_ROWS_ENV}
+    assert set(gpu.KNOBS) == {AGG_MIN_LANES_ENV, AGG_COLUMNS_ENV, EDGE_GROUP_ENV, TN_ROWS_ENV,
+                              TN_WAVES_ENV, MM_RESULTS_ENV, MM_ROWS_ENV}
     with pytest.raises(SystemExit):
         gpu.main(["prepare", str(tmp_path), "--knob", "GCOMP_CUDA_NOPE=1"])
     gpu.main(["prepare", str(tmp_path / "k"), "--models", "gcn", "--knob", f"{TN_ROWS_ENV}=32"])

@@ -22,6 +22,7 @@ split)], out (float32, n x H*C).
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 
 from tvm import tirx
@@ -41,6 +42,7 @@ NEG_INF = -3.4028234663852886e38
 # arxiv-size row's work (7 edges on average).  A group keeps the loads of its edges in
 # flight together; the group's padding rereads the last edge, cached.
 EDGE_GROUP = 4
+EDGE_GROUP_ENV = "GCOMP_CUDA_EDGE_GROUP"  # a tuning knob (docs/cuda.md): edges per step
 
 
 def _finish(reduce: str, acc, deg):
@@ -57,9 +59,10 @@ def edge_groups(lo, hi, load, fold) -> None:
     for every edge of a group first (storing what it reads into registers; j is clamped
     to the last edge, so loads past the end reread it and no branch guards them), then
     ``fold(u, valid)`` for each in edge order (``valid``: the edge is one of lo..hi)."""
-    with T.serial(0, (hi - lo + EDGE_GROUP - 1) // EDGE_GROUP) as g:
+    group = int(os.environ.get(EDGE_GROUP_ENV, EDGE_GROUP))
+    with T.serial(0, (hi - lo + group - 1) // group) as g:
         IRBuilder.name("g", g)
-        edges = [lo + g * EDGE_GROUP + u for u in range(EDGE_GROUP)]
+        edges = [lo + g * group + u for u in range(group)]
         for u, j in enumerate(edges):
             load(u, tirx.min(j, hi - 1))
         for u, j in enumerate(edges):

@@ -132,10 +132,13 @@ def _bind_flat(sch, block, threads: int = THREADS):
     return _bind_loops(sch, loops if loops else [sch.add_unit_loop(block)], threads)
 
 
-def _bind_rows(sch, block, n_row_loops: int = 1, vector: int = 1):
+def _bind_rows(sch, block, n_row_loops: int = 1, vector: int = 1, columns: int = 1):
     """Rows x lanes: the first ``n_row_loops`` loops are rows, the rest (static) features;
     with ``vector`` > 1 (dividing the features), each lane takes that many neighbouring
-    features as one vector (a float4 load of a gathered row).
+    features as one vector (a float4 load of a gathered row).  With ``columns`` > 1
+    (dividing the lanes), the features are cut into that many column tiles, the outer
+    grid axis (``blockIdx.y``): every row's first tile is done before any row's second,
+    so the gathers of one tile share the cache.
 
     Returns (row thread loop, feature thread loop or None)."""
     loops = sch.get_loops(block)
@@ -143,6 +146,8 @@ def _bind_rows(sch, block, n_row_loops: int = 1, vector: int = 1):
     feat = _fuse(sch, loops[n_row_loops:])
     if vector > 1:
         feat, fv = sch.split(feat, [None, vector])
+    if columns > 1:
+        tile, feat = sch.split(feat, [columns, None])
     lanes = lanes_for(_static_extent(sch, feat)) if feat is not None else 1
     rows_per_block = max(1, THREADS // lanes)
     n_rows = _static_extent(sch, row)
@@ -150,6 +155,9 @@ def _bind_rows(sch, block, n_row_loops: int = 1, vector: int = 1):
         rows_per_block = divisor_at_most(n_rows, rows_per_block)
     ro, ri = sch.split(row, [None, rows_per_block])
     sch.bind(ro, "blockIdx.x")
+    if columns > 1:
+        sch.reorder(tile, ro, ri)
+        sch.bind(tile, "blockIdx.y")
     if feat is None:
         sch.bind(ri, "threadIdx.x")
         return ri, None
@@ -214,16 +222,33 @@ def agg_vector(spec) -> int:
     return AGG_VECTOR if wide and lanes_for(lanes) == lanes else 1
 
 
+AGG_COLUMNS_ENV = "GCOMP_CUDA_AGG_COLUMNS"  # a tuning knob (docs/cuda.md): column tiles
+
+
+def agg_columns(spec, vector: int) -> int:
+    """Column tiles of the vectorized aggregation ``spec``: ``$GCOMP_CUDA_AGG_COLUMNS``
+    (default 1) where each tile keeps at least ``AGG_MIN_LANES`` lanes tiling a warp."""
+    if vector == 1:
+        return 1
+    columns = int(os.environ.get(AGG_COLUMNS_ENV, 1))
+    lanes = spec.p["H"] * spec.p["C"] // vector
+    per_tile = lanes // columns
+    ok = (lanes % columns == 0 and per_tile >= AGG_MIN_LANES and spec.p["H"] == 1
+          and (per_tile >= WARP or WARP % per_tile == 0) and lanes_for(per_tile) == per_tile)
+    return columns if ok else 1
+
+
 def _agg_rows(sch, spec) -> None:
     """Baseline aggregation: a warp (or fewer lanes) over a row's features, several rows
     per block; the row's sum lives in registers."""
     vector = agg_vector(spec)
+    columns = agg_columns(spec, vector)
     if spec.p.get("split"):  # the hub rows' tasks: the same layout over tasks
         task = sch.get_sblock("task")
-        _, fi = _bind_rows(sch, task, vector=vector)
+        _, fi = _bind_rows(sch, task, vector=vector, columns=columns)
         _in_register(sch, task, "part", fi, vector)
     blk = sch.get_sblock("row")
-    _, fi = _bind_rows(sch, blk, vector=vector)
+    _, fi = _bind_rows(sch, blk, vector=vector, columns=columns)
     if any(r.source.name == "total" for r in sch.get(blk).writes):
         # a bfloat16 output's float32 sum (``total``) in a register
         sch.set_scope(blk, _write_index(sch, blk, "total"), "local")
