@@ -52,8 +52,18 @@ def test_report_of_the_spmm_with_and_without_its_variant():
     res = _run_result(spmm=[row, {**row, "width": 128,
                                   gpu.SPMM_VARIANT: {"median_ms": 0.09, "rel_err": 2e-7}}])
     md = gpu.markdown(res)
-    assert "| arxiv-synth | 32 | 0.135 | 0.144 | 1.07x | 1.0e-07 | - | - |" in md
+    assert "| arxiv-synth | 32 | 0.135 | 0.144 | 1.07x | - | 1.0e-07 | - | - |" in md
     assert "| 0.090 (rel err 2.0e-07) | - |" in md
+    row["gcomp"]["back_to_back"] = {"median_ms": 0.08}
+    row["cusparse"]["back_to_back"] = {"median_ms": 0.12}
+    assert "| 1.07x | 0.080 / 0.120, 1.50x | 1.0e-07 |" in gpu.markdown(_run_result(spmm=[row]))
+
+
+def test_back_to_back_timing_is_per_call():
+    calls, syncs = [], []
+    times = gpu.timed_batch(lambda: calls.append(1), lambda: syncs.append(1), reps=3,
+                            warmup=1, batch=5)
+    assert len(times) == 3 and len(calls) == 4 * 5 and len(syncs) == 4
 
 
 def test_prepare_with_memory_preferred(tmp_path):

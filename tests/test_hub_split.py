@@ -163,11 +163,12 @@ def test_32_feature_rows_match_scipy(reduce, weight, indirect, fewest, monkeypat
 @pytest.mark.parametrize("knob,value,F", [("GCOMP_CUDA_AGG_COLUMNS", "2", 128),
                                           ("GCOMP_CUDA_AGG_COLUMNS", "4", 128),
                                           ("GCOMP_CUDA_AGG_COLUMNS", "2", 64),
-                                          ("GCOMP_CUDA_EDGE_GROUP", "8", 128)])
+                                          ("GCOMP_CUDA_EDGE_GROUP", "4", 128),
+                                          ("GCOMP_CUDA_EDGE_GROUP", "4", 32)])
 def test_aggregation_knobs_match_scipy(knob, value, F, monkeypatch):
     """The tuning knobs of the aggregation: column tiles (``agg_columns``: 128 features
     in 2 tiles of 16 lanes or 4 of 8; 64 in 2 would leave 8 lanes, allowed; 32 in 2 would
-    leave 4, refused) and 8 edges per step, in the CUDA emulator with hub tasks."""
+    leave 4, refused) and 4 edges per step, in the CUDA emulator with hub tasks."""
     from gcomp.schedules.cuda import AGG_COLUMNS_ENV, agg_columns, agg_vector
     monkeypatch.setenv(knob, value)
     spec = KernelSpec.make("csr_agg", reduce="sum", H=1, C=F, weight="edge", split=True)

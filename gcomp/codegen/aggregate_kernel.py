@@ -40,9 +40,20 @@ NEG_INF = -3.4028234663852886e38
 # nvcc unrolled the loop by 4 and left up to 3 edges to a remainder loop whose every
 # edge waited for its index load and then its row load: the remainder was most of an
 # arxiv-size row's work (7 edges on average).  A group keeps the loads of its edges in
-# flight together; the group's padding rereads the last edge, cached.
-EDGE_GROUP = 4
+# flight together; the group's padding rereads the last edge, cached.  8 rather than 4:
+# the hub tasks' kernel (128-edge tasks) 0.039 -> 0.029 ms at 32 features, 0.042 ->
+# 0.034 at 128, on an H200 (2026-11-27, arxiv-size SpMM); 16 was slower than 8.
+EDGE_GROUP = 8
 EDGE_GROUP_ENV = "GCOMP_CUDA_EDGE_GROUP"  # a tuning knob (docs/cuda.md): edges per step
+# Partials per step of a hub row's merge (csr_agg's split form), for rows narrower than
+# ``WIDE_ROW`` features.  One per step, each waited for its load from L2: the
+# arxiv-size hub of 22,897 edges merged its 179 partials in most of the row kernel's
+# 0.053 ms at 32 features (0.127 ms with 358, at 64-edge tasks); 8 a step took it to
+# 0.030.  At 128 features (a warp per row) the merge hid behind the row kernel's other
+# traffic, and grouping it made the kernel slower (0.089 -> 0.106 ms), so wide rows
+# merge one partial a step.
+MERGE_GROUP = 8
+WIDE_ROW = 128
 
 
 def _finish(reduce: str, acc, deg):
@@ -54,12 +65,14 @@ def _finish(reduce: str, acc, deg):
     return acc
 
 
-def edge_groups(lo, hi, load, fold) -> None:
-    """The GPU forms' edge loop over edges lo..hi, ``EDGE_GROUP`` at a time: ``load(u, j)``
-    for every edge of a group first (storing what it reads into registers; j is clamped
-    to the last edge, so loads past the end reread it and no branch guards them), then
-    ``fold(u, valid)`` for each in edge order (``valid``: the edge is one of lo..hi)."""
-    group = int(os.environ.get(EDGE_GROUP_ENV, EDGE_GROUP))
+def edge_groups(lo, hi, load, fold, group: int | None = None) -> None:
+    """The GPU forms' edge loop over edges lo..hi, ``group`` (default ``EDGE_GROUP``) at a
+    time: ``load(u, j)`` for every edge of a group first (storing what it reads into
+    registers; j is clamped to the last edge, so loads past the end reread it and no branch
+    guards them), then ``fold(u, valid)`` for each in edge order (``valid``: the edge is
+    one of lo..hi)."""
+    if group is None:
+        group = int(os.environ.get(EDGE_GROUP_ENV, EDGE_GROUP))
     with T.serial(0, (hi - lo + group - 1) // group) as g:
         IRBuilder.name("g", g)
         edges = [lo + g * group + u for u in range(group)]
@@ -67,6 +80,23 @@ def edge_groups(lo, hi, load, fold) -> None:
             load(u, tirx.min(j, hi - 1))
         for u, j in enumerate(edges):
             fold(u, j < hi)
+
+
+def merge_partials(lo, hi, load, add, F: int) -> None:
+    """``add(load(q))`` for a hub row's partials q = lo..hi in order: ``MERGE_GROUP``
+    loads in flight at a time, or one a step for rows of ``WIDE_ROW`` features or more."""
+    if F >= WIDE_ROW:
+        with T.serial(lo, hi) as q:
+            add(load(q))
+        return
+    parts = {}
+
+    def fold(u, ok):
+        with T.If(ok):
+            with T.Then():
+                add(parts[u])
+    edge_groups(lo, hi, lambda u, q: parts.__setitem__(u, T.Bind(load(q))), fold,
+                MERGE_GROUP)
 
 
 @definer("csr_agg")
@@ -167,8 +197,8 @@ def csr_agg(reduce: str, H: int, C: int, weight: str, indirect: bool = False,
                 T.buffer_store(total, init, [vi, f])
                 end = indptr[vi + 1]
                 if split:  # a hub row sums its tasks' partials and none of its edges
-                    with T.serial(hub[vi], hub[vi + 1]) as q:
-                        add(total, [vi, f], part[q, f])
+                    merge_partials(hub[vi], hub[vi + 1], lambda q: part[q, f],
+                                   lambda v: add(total, [vi, f], v), F)
                     end = tirx.Select(hub[vi + 1] > hub[vi], indptr[vi], end)
                 reduce_edges(total, [vi, f], f, vh, indptr[vi], end)
                 deg = indptr[vi + 1] - indptr[vi]
