@@ -167,3 +167,15 @@ def test_report_names_a_node_order_other_than_the_default():
     assert "--reorder" not in gpu.markdown(_run_result())  # results recorded before it
     with pytest.raises(SystemExit):
         gpu.main(["run", "somewhere", "--reorder", "sideways"])
+
+
+def test_spmm_kernel_means_per_call():
+    """bench.spmm_kernels: torch.profiler's totals (us) over its calls, as ms a call;
+    host-side events (no device time) left out."""
+    from types import SimpleNamespace as E
+
+    from bench.spmm_kernels import kernel_means
+    events = [E(key="gc_csr_agg_kernel", self_device_time_total=580.0, count=20),
+              E(key="gc_csr_agg_kernel_1", self_device_time_total=1060.0, count=20),
+              E(key="cudaLaunchKernel", self_device_time_total=0.0, count=40)]
+    assert kernel_means(events) == {"gc_csr_agg_kernel": 0.029, "gc_csr_agg_kernel_1": 0.053}
