@@ -136,9 +136,7 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
     # the passes see the target compiled for (reorder_linear's choices depend on it)
     ctx = PassContext(target=target) if ctx is None else dataclasses.replace(ctx, target=target)
     ir_graph = default_pipeline()(model.graph.copy(), ctx)
-    # memory over reproducibility on a GPU: backward aggregations scatter with atomics
-    scatter = (tgt["kind"] == "cuda" and ctx.option("prefer") == "memory"
-               and not ctx.option("deterministic"))
+    scatter = ctx.scatters_out_edges()  # memory over reproducibility on a GPU
     plan, specs = lower(ir_graph, formats, scatter, gpu=tgt["kind"] == "cuda")
     ir = {"source": print_graph(model.graph),
           "optimized": print_graph(ir_graph, show_meta=True)}

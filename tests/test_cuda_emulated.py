@@ -103,12 +103,16 @@ def test_training_step_with_atomic_scatters_against_the_cpu_build(name):
     kept = compile_model(m, "cuda", train=True, ctx=PassContext(
         options={"prefer": "memory", "deterministic": True}))
     assert "csc_indices" in _graph_arrays(kept.train_plan) and kept.info()["deterministic"]
-    gpu = Trainer(emulated(art), g, seed=2)
     cpu = Trainer(compile_model(m, "llvm", train=True), g, seed=2)
-    lg, lc = gpu.step(), cpu.step()
-    assert abs(lg - lc) <= 1e-4 * abs(lc)
-    grads, ref = gpu.gradients(), cpu.gradients()
-    assert not {p: rel_err(grads[p], ref[p]) for p in ref if rel_err(grads[p], ref[p]) > 1e-4}
+    lc, ref = cpu.step(), cpu.gradients()
+    # GIN's deterministic gathers over out-edges take in (1 + eps) dz and relu' as
+    # CUDA's default build does (fuse_epilogues), the scatters do not
+    for build in (art, kept) if name == "gin" else (art,):
+        gpu = Trainer(emulated(build), g, seed=2)
+        lg, grads = gpu.step(), gpu.gradients()
+        assert abs(lg - lc) <= 1e-4 * abs(lc)
+        assert not {p: rel_err(grads[p], ref[p]) for p in ref
+                    if rel_err(grads[p], ref[p]) > 1e-4}
 
 
 @pytest.mark.parametrize("name", ["gcn", "sage"])

@@ -250,7 +250,8 @@ def test_fuse_epilogues_computes_a_scaled_operand_in_the_epilogue():
     extras the distributed runtime zeroes on halo rows) only a product with a node
     tensor, which vanishes there, and only where they gather (not on CUDA with
     ``prefer=memory``, whose atomic scatters take only added extras); where another value
-    reads the product, it stays stored."""
+    reads the product, it stays stored.  ``deterministic`` keeps the gathers, and so the
+    fusion."""
     from gcomp.passes import FuseEpilogues
     text = """graph t(%x: f32[N,4], %dy: f32[N,4], %g: graph<coo>) {
   %eps = param[init="zeros"] : f32[]
@@ -276,7 +277,8 @@ def test_fuse_epilogues_computes_a_scaled_operand_in_the_epilogue():
         assert print_graph(g) == print_graph(parse_graph(text))  # values unchanged
         return {n.name: {k: v for k, v in n.meta.items() if k in ("fused", "fused_into",
                                                                    "operand")} for n in g}
-    for meta in (fused("llvm"), fused("cuda")):
+    for meta in (fused("llvm"), fused("cuda"), fused("cuda", prefer="memory",
+                                                     deterministic=True)):
         assert meta["a"] == {"fused": ["m", "s", "r"]}
         assert meta["m"] == {"fused_into": "a", "operand": True}
         assert meta["b"] == {"fused": ["n", "t"]}
@@ -293,8 +295,8 @@ def test_fuse_epilogues_scales_an_aggregation_by_an_activation_gradient():
     """GIN's backward ``(A.T dz + (1 + eps) * dz) * relu'(h)``: the aggregation over
     out-edges applies the activation's gradient before it stores (no kernel of its own
     reading the sum back), on the CPU and on CUDA; with CUDA's ``prefer=memory`` (atomic
-    scatters) it stays a kernel of its own, as does a gradient whose activation value is
-    computed by the chain itself."""
+    scatters; not with ``deterministic``, which keeps the gathers) it stays a kernel of its
+    own, as does a gradient whose activation value is computed by the chain itself."""
     from gcomp.passes import FuseEpilogues
     text = """graph t(%dz: f32[N,4], %h: f32[N,4], %g: graph<coo>) {
   %eps = param[init="zeros"] : f32[]
@@ -313,7 +315,9 @@ def test_fuse_epilogues_scales_an_aggregation_by_an_activation_gradient():
         assert print_graph(g) == print_graph(parse_graph(text))  # values unchanged
         return {n.name: {k: v for k, v in n.meta.items() if k in ("fused", "fused_into")}
                 for n in g}
-    for meta in (fused("llvm"), fused("cuda")):
+    # --deterministic keeps CUDA's gathers under prefer=memory, and so the fusion
+    for meta in (fused("llvm"), fused("cuda"), fused("cuda", prefer="memory",
+                                                     deterministic=True)):
         assert meta["b"] == {"fused": ["n", "t", "d"]} and meta["d"] == {"fused_into": "b"}
         assert "fused" not in meta["c"] and "fused_into" not in meta["e"]
     meta = fused("cuda", prefer="memory")

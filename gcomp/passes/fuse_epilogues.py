@@ -20,9 +20,10 @@ Anchors and what they absorb:
   element; so does an aggregation that gathers (GIN's backward ``(A.T dz + (1 + eps)
   * dz) * relu'(h)``: the gradient is linear in what it scales, so the distributed
   runtime's partial sums of halo rows, each scaled by the same h, still add up).
-  Aggregations over out-edges gather over the transposed graph on every target but
-  CUDA with ``prefer=memory``, which scatters them with atomics: an epilogue there must
-  only add (``codegen/scatter_kernel.py``), so those take in nothing over out-edges.
+  Aggregations over out-edges gather over the transposed graph unless the compiler
+  scatters them with atomics (``PassContext.scatters_out_edges``: CUDA with
+  ``prefer=memory`` and not ``deterministic``): an epilogue there must only add
+  (``codegen/scatter_kernel.py``), so those take in nothing over out-edges.
   A binary member's other operand may itself be a binary op of such extra inputs that
   only this member uses (GIN's ``sum_j x_j + (1 + eps) * x``): it is computed per
   element in the epilogue (``meta["operand"]``), not stored and read back.  For an
@@ -190,7 +191,7 @@ class FuseEpilogues(Pass):
                 n.meta.pop(key, None)
         changed = False
         # out-edge aggregations gather (see the module docstring) unless they scatter
-        gathers = ctx is None or ctx.target != "cuda" or ctx.option("prefer") != "memory"
+        gathers = ctx is None or not ctx.scatters_out_edges()
         for n in graph:  # kernels, with the elementwise ops after them
             if n.op in (Op.AGGREGATE, Op.ATTENTION_AGGREGATE) or (n.op == Op.MATMUL
                                                                   and not n.attrs["trans_a"]):

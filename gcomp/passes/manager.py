@@ -82,6 +82,14 @@ class PassContext:
     def option(self, key: str):
         return self.options.get(key, OPTIONS[key][0])
 
+    def scatters_out_edges(self) -> bool:
+        """Whether aggregations over out-edges (the backward ones) scatter with atomic
+        adds instead of gathering over the transposed graph: on CUDA with
+        ``prefer=memory``, unless ``deterministic`` keeps the gathers.  The compiler
+        lowers them so and ``fuse_epilogues`` fuses what they can take by it."""
+        return (self.target == "cuda" and self.option("prefer") == "memory"
+                and not self.option("deterministic"))
+
 
 class PassError(GcompError):
     """A pass failed; the message names it and the passes before it."""
