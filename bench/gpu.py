@@ -345,15 +345,21 @@ def aggregate(ex, b) -> None:
     ex.execute(b)
 
 
-def _spmm_timed(art, g, x, reps: int, warmup: int, reorder: str) -> tuple[dict, np.ndarray]:
-    """gcomp's SpMM with the node order ``reorder`` (``auto``: the GPU's rule,
-    ``runtime/reorder.py``; ``none``: the graph's own; the output comes back in the
-    user's order)."""
+def spmm_bound(art, g, x, reorder: str = "auto"):
+    """(executor, binding) of the SpMM artifact ``art`` with ``g`` bound in the node order
+    ``reorder`` and ``x`` fed, run once (warm)."""
     ex = art.executor()
     ex.reorder = reorder
     b = ex.feed(ex.bind(g), {"x": x})
     ex.execute(b)
+    return ex, b
 
+
+def _spmm_timed(art, g, x, reps: int, warmup: int, reorder: str) -> tuple[dict, np.ndarray]:
+    """gcomp's SpMM with the node order ``reorder`` (``auto``: the GPU's rule,
+    ``runtime/reorder.py``; ``none``: the graph's own; the output comes back in the
+    user's order)."""
+    ex, b = spmm_bound(art, g, x, reorder)
     ours = summary(timed(lambda: aggregate(ex, b), ex.sync, reps, warmup))
     ours["back_to_back"] = summary(timed_batch(lambda: aggregate(ex, b), ex.sync, reps, 1))
     ours["kernels"] = [s["kernel"] for s, _, _ in b.feed_steps] + [

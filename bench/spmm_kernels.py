@@ -35,7 +35,7 @@ def main(argv=None) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     import gcomp.runtime.graph as graph_mod
-    from bench.gpu import aggregate, summary, timed_batch
+    from bench.gpu import aggregate, spmm_bound, summary, timed_batch
     from bench.workload import load
     from gcomp.runtime.artifact import load as load_artifact
     torch.cuda.init()  # one CUDA context for torch's profiler and TVM's kernels
@@ -44,10 +44,9 @@ def main(argv=None) -> None:
         for width in (32, 128):
             for hub in (int(h) for h in args.hub_edges.split(",")):
                 graph_mod.HUB_EDGES = hub
-                ex = load_artifact(f"{d}/any-spmm{width}.gcomp").executor()
                 x = np.random.default_rng(0).standard_normal((g.num_nodes, width))
-                b = ex.feed(ex.bind(g), {"x": x.astype(np.float32)})
-                ex.execute(b)
+                ex, b = spmm_bound(load_artifact(f"{d}/any-spmm{width}.gcomp"), g,
+                                   x.astype(np.float32))
                 per_call = summary(timed_batch(lambda: aggregate(ex, b), ex.sync, 10, 1))
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     for _ in range(CALLS):

@@ -91,12 +91,14 @@ def merge_partials(lo, hi, load, add, F: int) -> None:
         return
     parts = {}
 
+    def load_part(u, q):
+        parts[u] = T.Bind(load(q))
+
     def fold(u, ok):
         with T.If(ok):
             with T.Then():
                 add(parts[u])
-    edge_groups(lo, hi, lambda u, q: parts.__setitem__(u, T.Bind(load(q))), fold,
-                MERGE_GROUP)
+    edge_groups(lo, hi, load_part, fold, MERGE_GROUP)
 
 
 @definer("csr_agg")

@@ -205,6 +205,14 @@ WARP = 32  # threads of a warp: narrower rows must tile it exactly
 AGG_MIN_LANES_ENV = "GCOMP_CUDA_AGG_MIN_LANES"
 
 
+def _row_lanes_fit(lanes: int, fewest: int) -> bool:
+    """Whether rows of ``lanes`` float4 lanes may be scheduled: at least ``fewest``,
+    tiling a warp exactly (never a row across two warps), and a thread split that
+    divides them (``lanes_for``)."""
+    return (lanes >= fewest and (lanes >= WARP or WARP % lanes == 0)
+            and lanes_for(lanes) == lanes)
+
+
 def agg_vector(spec) -> int:
     """Features per lane of the aggregation ``spec``: ``AGG_VECTOR`` for the split form
     over float32 rows of at least 4 x ``AGG_MIN_LANES`` features (each lane loading a
@@ -218,8 +226,8 @@ def agg_vector(spec) -> int:
     lanes = p["H"] * p["C"] // AGG_VECTOR
     fewest = int(os.environ.get(AGG_MIN_LANES_ENV, AGG_MIN_LANES))
     wide = (p.get("split") and not p.get("bf16") and p["C"] % AGG_VECTOR == 0
-            and lanes >= fewest and (lanes >= WARP or WARP % lanes == 0))
-    return AGG_VECTOR if wide and lanes_for(lanes) == lanes else 1
+            and _row_lanes_fit(lanes, fewest))
+    return AGG_VECTOR if wide else 1
 
 
 AGG_COLUMNS_ENV = "GCOMP_CUDA_AGG_COLUMNS"  # a tuning knob (docs/cuda.md): column tiles
@@ -232,9 +240,8 @@ def agg_columns(spec, vector: int) -> int:
         return 1
     columns = int(os.environ.get(AGG_COLUMNS_ENV, 1))
     lanes = spec.p["H"] * spec.p["C"] // vector
-    per_tile = lanes // columns
-    ok = (lanes % columns == 0 and per_tile >= AGG_MIN_LANES and spec.p["H"] == 1
-          and (per_tile >= WARP or WARP % per_tile == 0) and lanes_for(per_tile) == per_tile)
+    ok = (spec.p["H"] == 1 and lanes % columns == 0
+          and _row_lanes_fit(lanes // columns, AGG_MIN_LANES))
     return columns if ok else 1
 
 
