@@ -11,7 +11,11 @@ the misses overlap; the feature loop is vectorized in chunks the vector unit
 holds.  Measured on arxiv-synth (169k nodes, 1.34M edges, 2 threads): weighted
 sum aggregation at 32 features 7.5 -> 5.5 ms, edge dot products at 4 heads x 32
 channels 136 -> 42 ms (half of it from walking rows: each destination row is
-read once instead of once per edge).
+read once instead of once per edge).  Sweeping the rows once per tile of
+columns, so that one tile of every source row would stay in cache, was slower
+(Intel Xeon, 2 threads, ``bench.memory_floor`` at 128 features: 17.8 ms whole rows,
+22.2 / 33.6 / 43.3 in tiles of 64 / 32 / 16 columns; 2026-11-27): the misses are
+paid per line fetched, and tiles fetch the same lines.
 
 The dense kernels here are those whose scheduled generic form left time on the
 table: the matmul in groups of rows (``matmul``), weight gradients in row blocks

@@ -841,68 +841,9 @@ def _adam_moment(g, p, m, beta, wd, square: bool):
     return beta * m + (T.float32(1) - beta) * (gi * gi if square else gi)
 
 
-@definer("adam")
-def adam(S: int):
-    """In-place torch.optim.Adam step on a flattened parameter of S values.
-
-    hp = [lr, beta1, beta2, eps, weight_decay]; t = the step (1-based).  Weight decay is
-    L2 added to the gradient, as torch's Adam (not AdamW).
-    """
-
-    @T.prim_func(s_tir=True)
-    def k(p_h: T.handle, g_h: T.handle, m_h: T.handle, v_h: T.handle, hp_h: T.handle,
-          t_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        p = T.match_buffer(p_h, (S,), "float32", align=4)
-        g = T.match_buffer(g_h, (S,), "float32", align=4)
-        m = T.match_buffer(m_h, (S,), "float32", align=4)
-        v = T.match_buffer(v_h, (S,), "float32", align=4)
-        hp = T.match_buffer(hp_h, (5,), "float32", align=4)
-        t = T.match_buffer(t_h, (), "int32", align=4)
-        for i in range(S):
-            with T.sblock("adam"):
-                vi = T.axis.remap("S", [i])
-                # in place, element by element: declaring only the writes of p, m, v keeps
-                # the block "complete" so the schedule may vectorize and parallelize it
-                T.reads(g[vi], hp[0:5], t[()])
-                T.writes(p[vi], m[vi], v[vi])
-                m[vi] = _adam_moment(g[vi], p[vi], m[vi], hp[1], hp[4], False)
-                v[vi] = _adam_moment(g[vi], p[vi], v[vi], hp[2], hp[4], True)
-                p[vi] = p[vi] - hp[0] / (T.float32(1) - T.pow(hp[1], T.Cast("float32", t[()]))) \
-                    * m[vi] / (T.sqrt(v[vi])
-                               / T.sqrt(T.float32(1) - T.pow(hp[2], T.Cast("float32", t[()])))
-                               + hp[3])
-    return k
-
-
-@definer("sgd")
-def sgd(S: int):
-    """In-place torch.optim.SGD step; hp = [lr, momentum, dampening, weight_decay, nesterov]."""
-
-    @T.prim_func(s_tir=True)
-    def k(p_h: T.handle, g_h: T.handle, b_h: T.handle, hp_h: T.handle, t_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        p = T.match_buffer(p_h, (S,), "float32", align=4)
-        g = T.match_buffer(g_h, (S,), "float32", align=4)
-        b = T.match_buffer(b_h, (S,), "float32", align=4)
-        hp = T.match_buffer(hp_h, (5,), "float32", align=4)
-        t = T.match_buffer(t_h, (), "int32", align=4)
-        for i in range(S):
-            with T.sblock("sgd"):
-                vi = T.axis.remap("S", [i])
-                T.reads(g[vi], hp[0:5], t[()])  # in place, element by element (see adam)
-                T.writes(p[vi], b[vi])
-                # torch: the first step's buffer is the gradient itself (no dampening)
-                b[vi] = T.Select(t[()] <= 1, g[vi] + hp[3] * p[vi],
-                                 hp[1] * b[vi] + (T.float32(1) - hp[2]) * (g[vi] + hp[3] * p[vi]))
-                p[vi] = p[vi] - hp[0] * T.Select(hp[4] != T.float32(0),
-                                                 g[vi] + hp[3] * p[vi] + hp[1] * b[vi], b[vi])
-    return k
-
-
 def _adam_updates(p, g, m, v, hp, t, i):
-    """Adam's in-place stores into element ``i``, as (buffer, value) in order: ``adam``'s
-    expressions (p's update loads the moments just stored)."""
+    """Adam's in-place stores into element ``i``, as (buffer, value) in order (p's update
+    loads the moments just stored)."""
     tf = T.Cast("float32", t[()])
     return [(m, _adam_moment(g[i], p[i], m[i], hp[1], hp[4], False)),
             (v, _adam_moment(g[i], p[i], v[i], hp[2], hp[4], True)),
@@ -911,7 +852,8 @@ def _adam_updates(p, g, m, v, hp, t, i):
 
 
 def _sgd_updates(p, g, b, hp, t, i):
-    """SGD's in-place stores into element ``i``: ``sgd``'s expressions."""
+    """SGD's in-place stores into element ``i``; torch's first step's buffer is the
+    gradient itself (no dampening)."""
     return [(b, T.Select(t[()] <= 1, g[i] + hp[3] * p[i],
                          hp[1] * b[i] + (T.float32(1) - hp[2]) * (g[i] + hp[3] * p[i]))),
             (p, p[i] - hp[0] * T.Select(hp[4] != T.float32(0),
@@ -937,7 +879,7 @@ def _update_all(kind: str, sizes: tuple, moments: tuple, updates):
             with IB.grid(total) as i:
                 with IB.sblock(kind):
                     vi = IB.axis.spatial(total, i)
-                    # in place, element by element: declared as ``adam`` declares them
+                    # in place: every gradient read, every value and moment written
                     IB.reads(*[bufs[1][0:S] for bufs, S in zip(groups, sizes)], hp[0:5], t[()])
                     IB.writes(*[b[0:S] for bufs, S in zip(groups, sizes)
                                 for k, b in enumerate(bufs) if k != 1])
@@ -949,6 +891,45 @@ def _update_all(kind: str, sizes: tuple, moments: tuple, updates):
                                     IB.buffer_store(buf, value, [vi - start])
                         start += S
     return ib.get()
+
+
+def _update_one(kind: str, S: int, moments: tuple, updates):
+    """In-place update of one flattened parameter of S values: its value ``p``, gradient
+    ``g`` and ``moments``, then hp and t.  The block reads and writes element by element:
+    declaring only those (not whole buffers) keeps it "complete", so the CPU schedule may
+    vectorize and parallelize it (``schedules/cpu.py``)."""
+    f32 = "float32"
+    with IRBuilder() as ib:
+        with IB.prim_func(s_tir=True):
+            IB.func_name(kind)
+            IB.func_attr({"tirx.noalias": True})
+            bufs = [arg(name, (S,), f32) for name in ("p", "g", *moments)]
+            hp = arg("hp", (5,), f32)
+            t = arg("t", (), "int32")
+            with IB.grid(S) as i:
+                with IB.sblock(kind):
+                    vi = IB.axis.spatial(S, i)
+                    IB.reads(bufs[1][vi], hp[0:5], t[()])
+                    IB.writes(*[b[vi] for k, b in enumerate(bufs) if k != 1])
+                    for buf, value in updates(*bufs, hp, t, vi):
+                        IB.buffer_store(buf, value, [vi])
+    return ib.get()
+
+
+@definer("adam")
+def adam(S: int):
+    """In-place torch.optim.Adam step on a flattened parameter of S values.
+
+    hp = [lr, beta1, beta2, eps, weight_decay]; t = the step (1-based).  Weight decay is
+    L2 added to the gradient, as torch's Adam (not AdamW).
+    """
+    return _update_one("adam", S, ("m", "v"), _adam_updates)
+
+
+@definer("sgd")
+def sgd(S: int):
+    """In-place torch.optim.SGD step; hp = [lr, momentum, dampening, weight_decay, nesterov]."""
+    return _update_one("sgd", S, ("b",), _sgd_updates)
 
 
 @definer("adam_all")
