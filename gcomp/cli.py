@@ -18,11 +18,11 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from gcomp.errors import GcompError
+from gcomp.files import write_atomic
 from gcomp.runtime.formats import MODES
 
 EXIT_USER_ERROR = 2
@@ -49,15 +49,7 @@ def _check_output_path(out: Path, inputs: list[Path], kind: str) -> None:
 
 def _save_npy_atomic(path: Path, array) -> None:
     import numpy as np
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".npy", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, array)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_atomic(path, lambda f: np.save(f, array), suffix=".npy")
 
 
 # ---------------------------------------------------------------------- compile

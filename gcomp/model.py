@@ -8,7 +8,7 @@ import numpy as np
 
 from gcomp.errors import IRError
 from gcomp.ir.graph import Graph
-from gcomp.ir.types import GraphType, TensorType
+from gcomp.ir.types import TensorType, value_role
 from gcomp.ir.verifier import verify
 
 
@@ -37,19 +37,10 @@ class Model:
 
     def signature(self) -> dict:
         """Inputs and outputs as JSON-able dicts: name, role, type."""
-        def role(n):
-            if isinstance(n.ty, GraphType):
-                return "graph"
-            if n.ty.is_node:
-                return "node"
-            if n.ty.edge_graph:
-                return "edge"
-            return "scalar" if n.ty.rank == 0 else "tensor"
-        return {
-            "inputs": [{"name": n.name, "role": role(n), "type": str(n.ty)} for n in self.graph.inputs],
-            "outputs": [{"name": n.name, "role": role(n), "type": str(n.ty)}
-                        for n in self.graph.outputs],
-        }
+        def entry(n):
+            return {"name": n.name, "role": value_role(n.ty), "type": str(n.ty)}
+        return {"inputs": [entry(n) for n in self.graph.inputs],
+                "outputs": [entry(n) for n in self.graph.outputs]}
 
     def num_parameters(self) -> int:
         return int(sum(v.size for v in self.params.values()))

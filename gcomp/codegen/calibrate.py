@@ -27,7 +27,6 @@ import hashlib
 import json
 import os
 import platform
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,6 +34,7 @@ import numpy as np
 
 from gcomp.codegen.cpu_load import CpuMonitor
 from gcomp.codegen.kernels import KernelSpec
+from gcomp.files import write_atomic
 
 SPARSITIES = (0.0, 0.25, 0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99)
 PROTOCOL = 3  # of the measurements kept on disk: bump when what they measure or return changes
@@ -97,10 +97,8 @@ def _cached(kind: str, lib_path: Path, params: list, measure) -> tuple:
     else:  # busy both times: good enough for this compile, not for the next ones
         return json.loads(json.dumps(value)), False  # the same shape as a value read back
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(value, f)
-    os.replace(tmp, path)  # atomic: concurrent compiles never read half a file
+    # atomic: concurrent compiles never read half a file
+    write_atomic(path, lambda f: f.write(json.dumps(value).encode()))
     return value, True
 
 

@@ -16,7 +16,7 @@ from gcomp.codegen.scatter_kernel import additive
 from gcomp.errors import CompileError
 from gcomp.ir.graph import Graph, Node
 from gcomp.ir.ops import OpGroup, Op
-from gcomp.ir.types import N, EdgeDim, GraphType, TensorType
+from gcomp.ir.types import N, EdgeDim, GraphType, TensorType, value_role
 from gcomp.runtime.plan import Plan
 
 
@@ -34,16 +34,6 @@ NODE_IDS = {"nodes": "ids"}  # the user's id of each node row (the runtime may r
 
 def _scalar_attrs(n: Node) -> dict:
     return {k: v for k, v in n.attrs.items() if isinstance(v, (str, int, float, bool))}
-
-
-def _role(n: Node) -> str:
-    if isinstance(n.ty, GraphType):
-        return "graph"
-    if n.ty.is_node:
-        return "node"
-    if n.ty.edge_graph:
-        return "edge"
-    return "scalar" if n.ty.rank == 0 else "tensor"
 
 
 def _in_place(step: dict, args: list[int]) -> None:
@@ -273,7 +263,8 @@ class _Lowering:
         for o in self.graph.outputs:
             if isinstance(o.ty, GraphType):
                 raise CompileError(f"output %{o.name} is a graph; outputs must be tensors")
-            out = {"name": o.name, "buffer": o.name, "role": _role(o), "dims": plan_dims(o.ty)}
+            out = {"name": o.name, "buffer": o.name, "role": value_role(o.ty),
+                   "dims": plan_dims(o.ty)}
             if o.ty.edge_graph:
                 out["graph"] = o.ty.edge_graph
             self.plan.outputs.append(out)
@@ -389,7 +380,7 @@ class _Lowering:
 
     # -------------------------------------------------------------- leaves
     def lower_input(self, n: Node) -> None:
-        entry = {"name": n.name, "role": _role(n)}
+        entry = {"name": n.name, "role": value_role(n.ty)}
         if isinstance(n.ty, GraphType):
             self.plan.graphs.append({"name": n.name, "parent": None, "mode": None})
         else:

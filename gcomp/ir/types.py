@@ -117,3 +117,15 @@ def parse_type(text: str) -> Type:
             except ValueError:
                 raise IRError(f"bad dimension {part!r} in type {text!r}") from None
     return TensorType(tuple(shape), DTYPES[short])
+
+
+def value_role(ty) -> str:
+    """What an input or output of type ``ty`` is to a caller: ``graph``, ``node`` (one row
+    per node), ``edge`` (one row per edge), ``scalar`` or ``tensor`` (of fixed shape)."""
+    if isinstance(ty, GraphType):
+        return "graph"
+    if ty.is_node:
+        return "node"
+    if ty.edge_graph:
+        return "edge"
+    return "scalar" if ty.rank == 0 else "tensor"

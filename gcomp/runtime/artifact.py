@@ -30,6 +30,7 @@ import numpy as np
 
 from gcomp import __version__
 from gcomp.errors import ArtifactError
+from gcomp.files import write_atomic
 from gcomp.runtime.cpu_features import enable_amx
 from gcomp.runtime.plan import HUB_TASKS_VERSION, PLAN_VERSION, Plan, kernel_kind
 
@@ -179,20 +180,8 @@ class Artifact:
         return buf.getvalue()
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
         data = self.to_bytes()
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        return path
+        return write_atomic(path, lambda f: f.write(data))
 
 
 def load_cuda_runtime() -> None:

@@ -16,15 +16,13 @@ nodes) never count, whatever the masks say.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from gcomp.errors import ArtifactError, InputError
+from gcomp.files import write_atomic
 from gcomp.runtime.data import GraphData
 from gcomp.runtime.executor import Executor
 from gcomp.runtime.synthetic import random_split
@@ -166,27 +164,13 @@ class Trainer:
             plan, sort_keys=True).encode()).hexdigest()
 
     def save(self, path: str | Path) -> Path:
-        """Write parameters, optimizer state and the step; atomic (temporary file + rename)."""
-        path = Path(path)
+        """Write parameters, optimizer state and the step; atomic (``gcomp/files.py``)."""
         arrays = {f"param/{k}": v for k, v in self.parameters().items()}
         arrays.update({f"state/{k}": self.train_ex.get(k) for k in self.artifact.train_plan.state})
         meta = {"format": CHECKPOINT_FORMAT, "step": self.step_count, "seed": self.seed,
                 "artifact": self._fingerprint()}
         arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
-        buf = io.BytesIO()
-        np.savez(buf, **arrays)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(buf.getvalue())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        return path
+        return write_atomic(path, lambda f: np.savez(f, **arrays))
 
     def load(self, path: str | Path) -> None:
         """Resume from a checkpoint written by ``save`` for the same compiled model."""
