@@ -134,7 +134,8 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
     if unknown:
         raise CompileError(f"no {', '.join(sorted(unknown))} kernels for target {target!r}")
     # the passes see the target compiled for (reorder_linear's choices depend on it)
-    ctx = PassContext(target=target) if ctx is None else dataclasses.replace(ctx, target=target)
+    ctx = dataclasses.replace(ctx or PassContext(), target=target,
+                              tile_products=bool(cpu_features))
     ir_graph = default_pipeline()(model.graph.copy(), ctx)
     scatter = ctx.scatters_out_edges()  # memory over reproducibility on a GPU
     plan, specs = lower(ir_graph, formats, scatter, gpu=tgt["kind"] == "cuda")

@@ -713,7 +713,7 @@ def test_fuse_bias_grads_makes_the_bias_a_row_of_the_weight_gradient():
     """A column sum of dY beside x.T @ dY becomes the product's last row, sliced apart
     under the gradients' names; values match the interpreter's on the original graph to
     float rounding.  Not where x is node features (their sparse-feature variant has no
-    such row), and not for CUDA."""
+    such row), not for CUDA, and not where the products run on AMX tiles."""
     import numpy as np
 
     from gcomp.ir.interpreter import interpret
@@ -735,9 +735,25 @@ def test_fuse_bias_grads_makes_the_bias_a_row_of_the_weight_gradient():
     got = interpret(parse_graph(expected), inputs, {})
     for r, g in zip(ref, got):
         np.testing.assert_allclose(g, r, rtol=1e-12)
-    g = parse_graph(BIAS_BEFORE)
-    PassManager([FuseBiasGrads()])(g, PassContext(target="cuda"))
-    same(print_graph(g), BIAS_BEFORE)
+    for ctx in (PassContext(target="cuda"), PassContext(tile_products=True)):
+        g = parse_graph(BIAS_BEFORE)
+        PassManager([FuseBiasGrads()])(g, ctx)
+        same(print_graph(g), BIAS_BEFORE)
+
+
+def test_bias_grads_stay_apart_where_the_products_run_on_tiles():
+    """A bfloat16 compile for a CPU with AMX tiles (named, so this runs anywhere) keeps
+    each bias gradient a column sum: the tile kernels have no bias row.  float32 for the
+    same CPU, and bfloat16 for one without tiles, fold them into the weight gradients."""
+    from gcomp import models
+    from gcomp.compiler import compile_model
+    m = models.build("gin", 32, hidden=32, out_channels=4, layers=2)
+
+    def fused(mcpu, precision):
+        art = compile_model(m, mcpu=mcpu, train=True, precision=precision)
+        return "sum_row=true" in art.ir["training"]
+    assert not fused("sapphirerapids", "bf16")
+    assert fused("sapphirerapids", "fp32") and fused("znver3", "bf16")
 
 
 def test_split_concat_products_keeps_a_concat_read_otherwise():

@@ -69,6 +69,8 @@ class PassContext:
     disabled: frozenset = frozenset()
     verify_each: bool = True
     options: dict = field(default_factory=dict)  # see OPTIONS
+    # bfloat16 products run on AMX tiles (``--precision bf16`` on a CPU that has them)
+    tile_products: bool = False
 
     def __post_init__(self):
         for key, value in self.options.items():
