@@ -141,7 +141,8 @@ def _pass_context(args):
     if timing:
         instruments.append(timing)
     ctx = PassContext(target=args.target, instruments=instruments,
-                      disabled=frozenset(args.disable_pass or ()), options=_options(args))
+                      disabled=frozenset(args.disable_pass or ()), options=_options(args),
+                      tile_products=getattr(args, "tile_products", False))
     return ctx, timing
 
 
@@ -213,13 +214,13 @@ def cmd_opt(args) -> int:
     path = _P(args.file)
     if not path.exists():
         raise GcompError(f"IR file {args.file!r} does not exist")
-    if args.passes is None:
-        graph = replay(path)
+    ctx, timing = _pass_context(args)
+    if args.passes is None:  # the header's passes and pass context
+        graph = replay(path, instruments=ctx.instruments)
     else:
-        ctx, timing = _pass_context(args)
         graph = PassManager(parse_pipeline(args.passes))(parse_graph(path.read_text()), ctx)
-        if timing is not None:
-            print(timing.render(), file=sys.stderr)
+    if timing is not None:
+        print(timing.render(), file=sys.stderr)
     print(print_graph(graph, show_meta=args.show_meta), end="")
     return 0
 
@@ -578,9 +579,13 @@ def _parser() -> argparse.ArgumentParser:
     o = sub.add_parser("opt", help="run passes on an IR file (replays reproducers)")
     o.add_argument("file", help="IR text (gcomp's printed form)")
     o.add_argument("--passes", default=None,
-                   help="comma-separated pass names (default: the reproducer header's)")
+                   help="comma-separated pass names (default: the reproducer header's, run "
+                        "in the pass context its header names)")
     o.add_argument("--show-meta", action="store_true", help="print analysis results too")
     o.add_argument("-t", "--target", default="llvm")
+    o.add_argument("--tile-products", action="store_true",
+                   help="bfloat16 products run on AMX tiles (what compile_model sets for "
+                        "--precision bf16 on a CPU with them)")
     _pass_flags(o)
     o.set_defaults(func=cmd_opt)
 

@@ -104,6 +104,48 @@ def test_reproducer_replays_the_failure(tmp_path, monkeypatch, capsys):
     assert "pass 'breaks' failed" in capsys.readouterr().err
 
 
+class Picky(DeadCodeElimination):
+    """Fails, recording the pass context it ran in."""
+    name = "picky"
+    seen: list = []
+
+    def run(self, graph, ctx):
+        Picky.seen.append((ctx.target, ctx.tile_products, ctx.option("prefer"),
+                           ctx.option("deterministic")))
+        raise RuntimeError("kaput")
+
+
+@pytest.mark.parametrize("ctx_args", [
+    {},
+    {"target": "cuda", "options": {"prefer": "memory", "deterministic": True}},
+    {"tile_products": True, "options": {"prefer": "memory"}},
+])
+def test_reproducer_replays_in_the_pass_context_of_the_failure(tmp_path, monkeypatch, capsys,
+                                                                ctx_args):
+    monkeypatch.setitem(PASSES, "picky", Picky)
+    monkeypatch.setattr(Picky, "seen", [])
+    rep = Reproducer(tmp_path / "a dir")  # a path the header must quote
+    with pytest.raises(PassError):
+        PassManager([Canonicalize(), Picky()])(gcn().graph.copy(),
+                                               PassContext(instruments=[rep], **ctx_args))
+    with pytest.raises(PassError, match="kaput"):
+        replay(rep.path)
+    assert main(["opt", str(rep.path)]) == 2
+    assert "pass 'picky' failed: kaput" in capsys.readouterr().err
+    assert len(Picky.seen) == 3 and len(set(Picky.seen)) == 1  # the same context each time
+
+
+def test_malformed_reproducer_header_is_named(tmp_path):
+    path = tmp_path / "repro.ir"
+    path.write_text("# gcomp reproducer: gcomp opt x.ir --passes dce --prefer fastest\n"
+                    + print_graph(gcn().graph))
+    with pytest.raises(GcompError, match=r"repro.ir: malformed reproducer header .*fastest"):
+        replay(path)
+    path.write_text(print_graph(gcn().graph))
+    with pytest.raises(GcompError, match="no --passes given and no reproducer header"):
+        replay(path)
+
+
 def test_cli_compile_debug_flags(tmp_path, capsys):
     out = tmp_path / "m.gcomp"
     assert main(["compile", "gcn", "--in", "6", "--out", "3", "-o", str(out),

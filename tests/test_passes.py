@@ -205,7 +205,7 @@ def test_failing_pass_is_named_with_the_passes_before_it():
     seen = []
 
     class Spy(Instrument):
-        def run_on_failure(self, p, before, error, pipeline):
+        def run_on_failure(self, p, before, error, pipeline, ctx):
             seen.append((p.name, pipeline, print_graph(before)))
 
     g = parse_graph("graph t(%x: f32[N,4]) {\n  %y = relu(%x) : f32[N,4]\n  return %y\n}")

@@ -8,14 +8,17 @@
 * ``PrintAfterChange()``: the IR after each pass that changed it (printed text compared).
 * ``DumpIR(dir)``: numbered files ``00_input.ir``, ``01_canonicalize.ir``, ...
 * ``PassTiming()``: wall time per pass; ``render()`` gives the table.
-* ``Reproducer(dir)``: when a pass fails, writes its input IR with the pipeline in a
-  header; ``gcomp opt FILE`` (or ``replay(path)``) runs it again.
+* ``Reproducer(dir)``: when a pass fails, writes its input IR with a header holding the
+  failing pass and the pass context it ran in (target, options, AMX tiles: what passes
+  consult); ``gcomp opt FILE`` (or ``replay(path)``) runs it again in that context.
 Verification after every pass is the pass context's ``verify_each`` (on by default).
 """
 
 from __future__ import annotations
 
+import argparse
 import re
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -24,7 +27,7 @@ from gcomp.errors import GcompError
 from gcomp.ir.graph import Graph
 from gcomp.ir.parser import parse_graph
 from gcomp.ir.printer import print_graph
-from gcomp.passes.manager import Instrument, Pass
+from gcomp.passes.manager import OPTIONS, Instrument, Pass, PassContext
 
 REPRO_HEADER = "# gcomp reproducer: gcomp opt {file} --passes {passes}"
 
@@ -98,17 +101,19 @@ class PassTiming(Instrument):
 
 
 class Reproducer(Instrument):
-    """On a pass failure, write the failing pass's input IR and the pipeline to replay it."""
+    """On a pass failure, write the failing pass's input IR, with a header naming the pass
+    and the pass context to replay it in (``gcomp opt FILE`` runs that header)."""
 
     def __init__(self, directory: str | Path):
         self.dir = Path(directory)
         self.path: Path | None = None
 
     def run_on_failure(self, p: Pass, graph_before: Graph, error: BaseException,
-                       pipeline: list[str]) -> None:
+                       pipeline: list[str], ctx: PassContext) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / f"repro_{p.name}.ir"
-        header = REPRO_HEADER.format(file=self.path, passes=p.name)
+        header = " ".join([REPRO_HEADER.format(file=shlex.quote(str(self.path)), passes=p.name),
+                           *context_flags(ctx)])
         msg = str(error).splitlines()[0] if str(error) else type(error).__name__
         self.path.write_text(f"{header}\n# pipeline before it: {','.join(pipeline[:-1])}\n"
                              f"# error: {msg}\n{print_graph(graph_before)}")
@@ -125,14 +130,53 @@ def parse_pipeline(text: str) -> list[Pass]:
     return passes
 
 
-def replay(path: str | Path, passes: str | None = None):
-    """Parse an IR file (e.g. a reproducer) and run ``passes`` on it (default: its header's)."""
+def context_flags(ctx: PassContext) -> list[str]:
+    """The ``gcomp opt`` flags that rebuild what passes consult in ``ctx`` (those at their
+    defaults left out)."""
+    flags = [] if ctx.target == "llvm" else ["-t", ctx.target]
+    if ctx.option("prefer") != OPTIONS["prefer"][0]:
+        flags += ["--prefer", ctx.option("prefer")]
+    if ctx.option("deterministic"):
+        flags.append("--deterministic")
+    if ctx.tile_products:
+        flags.append("--tile-products")
+    return flags
+
+
+class _HeaderParser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would print usage and exit
+        raise GcompError(message)
+
+
+def _header(path: Path, text: str, instruments) -> tuple[str, PassContext]:
+    """The passes in a reproducer's header, and the pass context it names."""
+    first = text.split("\n", 1)[0]
+    prefix = REPRO_HEADER.split("{file}")[0]
+    if not first.startswith(prefix):
+        raise GcompError(f"{path}: no --passes given and no reproducer header")
+    p = _HeaderParser(add_help=False)  # the flags context_flags writes, as gcomp opt reads them
+    p.add_argument("file")
+    p.add_argument("--passes", required=True)
+    p.add_argument("-t", "--target", default="llvm")
+    p.add_argument("--prefer", default=OPTIONS["prefer"][0], choices=OPTIONS["prefer"])
+    p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--tile-products", action="store_true")
+    try:
+        a = p.parse_args(shlex.split(first[len(prefix):]))
+    except (GcompError, ValueError) as e:
+        raise GcompError(f"{path}: malformed reproducer header {first!r}: {e}") from None
+    ctx = PassContext(target=a.target, tile_products=a.tile_products, instruments=instruments,
+                      options={"prefer": a.prefer, "deterministic": a.deterministic})
+    return a.passes, ctx
+
+
+def replay(path: str | Path, passes: str | None = None, instruments=()):
+    """Parse an IR file (e.g. a reproducer) and run ``passes`` on it (default: its header's,
+    in the pass context the header names), observed by ``instruments``."""
     from gcomp.passes import PassManager
     text = Path(path).read_text()
     if passes is None:
-        m = re.search(r"--passes (\S+)", text)
-        if not m:
-            raise GcompError(f"{path}: no --passes given and no reproducer header")
-        passes = m.group(1)
-    graph = parse_graph(text)
-    return PassManager(parse_pipeline(passes))(graph)
+        passes, ctx = _header(Path(path), text, instruments)
+    else:
+        ctx = PassContext(instruments=instruments)
+    return PassManager(parse_pipeline(passes))(parse_graph(text), ctx)

@@ -44,7 +44,7 @@ class Instrument:
         pass
 
     def run_on_failure(self, pass_: Pass, graph_before: Graph, error: BaseException,
-                       pipeline: list[str]) -> None:
+                       pipeline: list[str], ctx: "PassContext") -> None:
         pass
 
 
@@ -130,7 +130,7 @@ class PassManager:
                     verify(graph)
             except Exception as e:  # noqa: BLE001 - reported with the pipeline, then re-raised
                 for i in ctx.instruments:
-                    i.run_on_failure(p, before, e, ran + [p.name])
+                    i.run_on_failure(p, before, e, ran + [p.name], ctx)
                 prior = ", ".join(ran) or "none"
                 msg = f"pass {p.name!r} failed: {e}\n(passes that ran before it: {prior})"
                 if isinstance(e, GcompError) and not isinstance(e, PassError):
