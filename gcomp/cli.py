@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
 from pathlib import Path
 
 from gcomp.errors import GcompError
-from gcomp.files import write_atomic
+from gcomp.files import writable_dir, write_atomic
 from gcomp.runtime.formats import MODES
 
 EXIT_USER_ERROR = 2
@@ -238,6 +239,10 @@ def cmd_run(args) -> int:
         inputs.append(Path(args.features))
     _check_output_path(out, inputs, "output")
     art = artifact.load(args.artifact)
+    names = [o["name"] for o in art.plan.outputs]
+    if len(names) > 1 and out.suffix != ".npz":
+        raise GcompError(f"the model has {len(names)} outputs ({', '.join(names)}): give "
+                         f"--out FILE.npz to write each under its name")
     graph = load_graph(args.graph)
     node_inputs = [i for i in art.plan.inputs if i["role"] == "node"]
     if args.features:
@@ -253,11 +258,15 @@ def cmd_run(args) -> int:
     binding = ex.feed(binding, features)
     ex.execute(binding)
     ex.sync()  # GPU kernels run asynchronously: the run time includes them
-    y = ex.outputs(binding)[0]
+    ys = [np.asarray(y) for y in ex.outputs(binding)]
     t2 = time.perf_counter()
-    _save_npy_atomic(out, np.asarray(y))
-    print(f"{graph.name}: {graph.num_nodes} nodes, {graph.num_edges} edges -> output "
-          f"{tuple(y.shape)} in {out} (bind {1e3 * (t1 - t0):.1f} ms, run {1e3 * (t2 - t1):.1f} ms)",
+    if out.suffix == ".npz":
+        write_atomic(out, lambda f: np.savez(f, **dict(zip(names, ys))), suffix=".npz")
+    else:
+        _save_npy_atomic(out, ys[0])
+    shapes = ", ".join(f"{n} {tuple(y.shape)}" for n, y in zip(names, ys))
+    print(f"{graph.name}: {graph.num_nodes} nodes, {graph.num_edges} edges -> {shapes} in "
+          f"{out} (bind {1e3 * (t1 - t0):.1f} ms, run {1e3 * (t2 - t1):.1f} ms)",
           file=sys.stderr)
     return 0
 
@@ -303,6 +312,13 @@ def _train(args, comm=None) -> int:
 
     if args.epochs < 0:
         raise GcompError("--epochs must be >= 0")
+    if args.checkpoint:  # before training: a result that cannot be written is lost
+        inputs = [Path(p) for p in (args.model, args.graph, args.parts) if p and Path(p).exists()]
+        _check_output_path(Path(args.checkpoint), inputs, "checkpoint")
+        writable_dir(args.checkpoint, "checkpoint")
+    if args.seed is None:  # a resumed run draws the split and dropout of the one it resumes
+        from gcomp.runtime.trainer import read_checkpoint
+        args.seed = int(read_checkpoint(args.resume)[1]["seed"]) if args.resume else 0
     if comm is not None and args.format not in ("auto", "csr"):
         raise GcompError(f"--format {args.format}: distributed training aggregates in CSR "
                          f"(a shard's rows gather halo rows, which no square layout holds)")
@@ -350,7 +366,7 @@ def _train(args, comm=None) -> int:
         trainer.load(args.resume)
     progress = _Progress(args.epochs, sys.stderr.isatty() and not args.json and lead)
     times, loss = [], float("nan")
-    best = {"best_val_acc": -1.0}
+    best = {"best_val_acc": None, "best_test_acc": None, "best_epoch": None}
     for epoch in range(1, args.epochs + 1):
         t = time.perf_counter()
         loss = trainer.step()
@@ -361,7 +377,7 @@ def _train(args, comm=None) -> int:
         show_eval = progress.enabled and (epoch % max(1, args.epochs // 50) == 0 or
                                           epoch == args.epochs)
         ev = trainer.evaluate() if (show_eval or args.best_val) else None
-        if args.best_val and ev["val_acc"] > best["best_val_acc"]:
+        if args.best_val and (best["best_epoch"] is None or ev["val_acc"] > best["best_val_acc"]):
             best = {"best_val_acc": ev["val_acc"], "best_test_acc": ev["test_acc"],
                     "best_epoch": epoch}
         progress.update(epoch, loss, ev)
@@ -392,8 +408,9 @@ def _train(args, comm=None) -> int:
                       bytes_per_epoch=dict(zip(trainer.traffic(), traffic.tolist())))
         if not lead:
             return 0
-    if args.json:
-        print(json.dumps(result))
+    if args.json:  # JSON has no NaN: a loss never computed, an accuracy over no node
+        print(json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v
+                          for k, v in result.items()}))
     else:
         print(f"{result['model']} on {graph.name}: {args.epochs} epochs, loss {loss:.4f}, "
               f"train {ev['train_acc']:.4f}, val {ev['val_acc']:.4f}, test {ev['test_acc']:.4f}, "
@@ -482,6 +499,11 @@ def cmd_info(args) -> int:
         print(f"           {k}: {shape}")
     print(f"sizes      kernels {info['sizes']['kernels_so_bytes']} B, parameters "
           f"{info['sizes']['params_bytes']} B")
+    spec = info.get("specialized")
+    if spec:  # the decisions made at compile time for one graph (gcomp compile --graph)
+        rest = {k: v for k, v in spec.items() if k not in ("graph", "nodes", "edges")}
+        print(f"specialized to graph {spec['graph']!r} ({spec['nodes']} nodes, {spec['edges']} "
+              f"edges): {json.dumps(rest, sort_keys=True)}")
     for label, mem in info.get("memory", {}).items():
         mb = 2 ** 20
         print(f"memory     {label} on {mem['graph']}: {mem['total_bytes'] / mb:.1f} MiB planned "
@@ -602,7 +624,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--layers", type=int, default=2)
     t.add_argument("--hidden", type=int, default=16)
     t.add_argument("--heads", type=int, default=4, help="attention heads (gat)")
-    t.add_argument("--seed", type=int, default=0, help="initialization, split and dropout seed")
+    t.add_argument("--seed", type=int, default=None,
+                   help="initialization, split and dropout seed (default 0; with --resume, "
+                        "the checkpoint's)")
     t.add_argument("--normalize-features", action="store_true",
                    help="row-normalize features to sum 1 (PyG's NormalizeFeatures)")
     t.add_argument("--checkpoint", default=None, help="write a checkpoint here at the end")
@@ -626,7 +650,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("artifact")
     r.add_argument("--graph", required=True, help="graph .npz or a bundled dataset (cora, citeseer)")
     r.add_argument("--features", default=None, help="node features .npy (default: the graph's x)")
-    r.add_argument("--out", required=True, help="where to write the output (.npy)")
+    r.add_argument("--out", required=True, help="where to write the output (.npy; .npz holds "
+                   "every output of a model with several, by name)")
     _reorder_flag(r)
     r.set_defaults(func=cmd_run)
 
@@ -664,6 +689,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("gcomp: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (gcomp info ... | head): not an error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so that flushing stdout at exit cannot fail
+        return 0
 
 
 if __name__ == "__main__":

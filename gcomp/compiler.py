@@ -125,6 +125,12 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
     if precision not in PRECISIONS:
         raise CompileError(f"unknown precision {precision!r}; choose one of "
                            f"{', '.join(PRECISIONS)}")
+    if graph is not None and graph.num_features is not None:
+        for n in model.node_feature_inputs():  # before compiling for a graph it cannot run
+            if len(n.ty.shape) == 2 and n.ty.shape[1] != graph.num_features:
+                raise CompileError(f"graph {graph.name!r} has {graph.num_features} features "
+                                   f"per node; the model's input {n.name!r} takes "
+                                   f"{n.ty.shape[1]}")
     tgt = make_target(target, mcpu=mcpu, arch=arch)
     if precision == "bf16" and tgt["kind"] == "llvm" and mcpu is None and host_has_amx():
         tgt["mattr"] = list(AMX_MATTR)  # LLVM may not know this CPU has them
@@ -139,6 +145,8 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
     ir_graph = default_pipeline()(model.graph.copy(), ctx)
     scatter = ctx.scatters_out_edges()  # memory over reproducibility on a GPU
     plan, specs = lower(ir_graph, formats, scatter, gpu=tgt["kind"] == "cuda")
+    for out, named in zip(plan.outputs, model.graph.outputs):
+        out["name"] = named.name  # the model's name: passes may have merged the value (cse)
     ir = {"source": print_graph(model.graph),
           "optimized": print_graph(ir_graph, show_meta=True)}
     train_plan, opt = None, None

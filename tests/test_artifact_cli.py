@@ -379,3 +379,136 @@ def test_features_no_kernel_reads_are_still_checked():
     x[123, 45] = np.inf
     with pytest.raises(InputError, match="first at node 123, feature 45"):
         ex.feed(b, {"x": x})
+
+
+# ---------------------------------------------------------------- inputs a service hands over
+@pytest.fixture(scope="module")
+def small_gcn():
+    """A GCN over 40-wide features and its float64 reference inputs' graph."""
+    from conftest import awkward_graph
+    m = models.build("gcn", 40, hidden=8, out_channels=3)
+    g = awkward_graph(num_nodes=1500, num_edges=6000, num_features=40, seed=4)
+    ref = interpret(m.graph, ref_inputs(m.graph, g), m.params)[0]
+    return compile_model(m), g, ref
+
+
+def test_read_only_features_run_in_place_and_train(small_gcn, tmp_path):
+    """numpy exports no read-only array through DLPack: a memory-mapped file
+    (np.load(mmap_mode="r")) or a frozen array still runs, reading the same values."""
+    from gcomp.runtime.trainer import Trainer
+    art, g, ref = small_gcn
+    frozen = g.x.copy()
+    frozen.flags.writeable = False
+    np.save(tmp_path / "x.npy", g.x)
+    mapped = np.load(tmp_path / "x.npy", mmap_mode="r")
+    for x in (frozen, mapped):
+        assert rel_err(art.run(g, {"x": x})[0], ref) <= 1e-4
+    t_art = compile_model(models.build("gcn", 40, hidden=8, out_channels=3), train=True)
+    g.train_mask = np.arange(g.num_nodes) % 2 == 0
+    try:
+        from gcomp.runtime.data import GraphData
+        ro = GraphData(g.name, g.num_nodes, g.edge_index, frozen, y=g.y, train_mask=g.train_mask)
+        losses = [Trainer(t_art, graph, seed=1).step() for graph in (ro, g)]
+    finally:
+        g.train_mask = None
+    assert losses[0] == losses[1]
+
+
+def test_a_graph_built_in_python_is_checked_like_a_file(small_gcn):
+    from gcomp.errors import InputError
+    from gcomp.runtime.data import GraphData
+    art, g, ref = small_gcn
+    bad = g.edge_index.copy()
+    bad[0, 17] = g.num_nodes
+    with pytest.raises(InputError, match=f"node id {g.num_nodes} \\(edge 17\\), out of range"):
+        art.run(GraphData("mine", g.num_nodes, bad, g.x))
+    with pytest.raises(InputError, match="num_nodes must be a non-negative integer"):
+        art.run(GraphData("mine", -3, g.edge_index, g.x))
+    with pytest.raises(InputError, match="x has 1500 rows but the graph has 1600 nodes"):
+        art.run(GraphData("mine", 1600, g.edge_index, g.x))
+    as_lists = GraphData("mine", g.num_nodes, g.edge_index.tolist(), g.x)  # any array-like
+    assert rel_err(art.run(as_lists)[0], ref) <= 1e-4
+    assert isinstance(as_lists.edge_index, list)  # the caller's object is left as it was
+
+
+def test_sparse_feature_indices_out_of_range_are_named(tmp_path, capsys):
+    import scipy.sparse as sp
+
+    from gcomp.errors import InputError
+    x = sp.random(5, 8, density=0.4, format="csr", random_state=0, dtype=np.float32)
+    ind = x.indices.copy()
+    ind[3] = 108
+    p = tmp_path / "g.npz"
+    np.savez(p, edge_index=np.array([[0, 1, 2], [1, 2, 0]]), x_indptr=x.indptr,
+             x_indices=ind, x_data=x.data, x_shape=np.array(x.shape))
+    art = tmp_path / "gcn.gcomp"
+    compile_model(models.build("gcn", 8, hidden=4, out_channels=2)).save(art)
+    err = _err(["run", str(art), "--graph", str(p), "--out", str(tmp_path / "y.npy")], capsys)
+    assert "column indices hold 108 (entry 3, row" in err and "out of range for 8 features" in err
+    g = load_graph(_graph_file(tmp_path, x=np.ones((3, 8), np.float32)))
+    bad = sp.csr_matrix((np.ones(3, np.float32), np.array([0, -1, 2]), np.array([0, 1, 2, 3])),
+                        shape=(3, 8))
+    with pytest.raises(InputError, match="column indices hold -1"):
+        artifact.load(art).run(g, {"x": bad})
+
+
+def test_concurrent_runs_of_one_artifact_take_turns(small_gcn):
+    from concurrent.futures import ThreadPoolExecutor
+    art, g, ref = small_gcn
+    xs = [g.x * (k + 1) for k in range(4)]  # each thread its own features
+    with ThreadPoolExecutor(4) as pool:
+        outs = [art.run(g, {"x": x})[0] for x in xs]
+        results = list(pool.map(lambda k: art.run(g, {"x": xs[k % 4]})[0], range(24)))
+    for k, y in enumerate(results):
+        assert np.array_equal(y, outs[k % 4]), k
+    assert rel_err(outs[0], ref) <= 1e-4
+
+
+def test_cli_refusals_of_settings(tmp_path, capsys):
+    out = str(tmp_path / "a.gcomp")
+    assert "unknown CPU 'bogus'" in _err(["compile", "gcn", "--mcpu", "bogus", "-o", out], capsys)
+    assert "must be finite: lr=nan" in _err(["compile", "gcn", "--train", "--lr", "nan",
+                                             "-o", out], capsys)
+    assert "momentum, dampening and nesterov are sgd's" in _err(
+        ["compile", "gcn", "--train", "--momentum", "0.9", "-o", out], capsys)
+    assert not (tmp_path / "a.gcomp").exists()
+    cora = str(tmp_path / "gin-cora.gcomp")
+    assert main(["compile", "gin", "--in", "1433", "--out", "7", "--graph", "cora",
+                 "-o", cora]) == 0
+    capsys.readouterr()
+    assert main(["info", cora]) == 0
+    assert "specialized to graph 'cora' (2708 nodes" in capsys.readouterr().out
+    err = _err(["run", cora, "--graph", "cora", "--format", "dense", "--out",
+                str(tmp_path / "y.npy")], capsys)
+    assert "format 'dense': this artifact has only CSR kernels" in err
+
+
+@pytest.mark.parametrize("content,msg", [
+    (b"hello", "is not an .npz archive"),
+    ({"edge_index": np.array([[0], [1]]), "num_nodes": np.array(30.7)},
+     "num_nodes must be one non-negative integer, got float64 30.7"),
+    ({"edge_index": np.array([[0], [1]]), "num_nodes": np.array(-3)},
+     "num_nodes must be one non-negative integer"),
+])
+def test_graph_file_problems_are_named(tmp_path, content, msg):
+    from gcomp.errors import InputError
+    p = tmp_path / "g.npz"
+    if isinstance(content, bytes):
+        p.write_bytes(content)
+    else:
+        np.savez(p, **content)
+    with pytest.raises(InputError, match=msg):
+        load_graph(p)
+
+
+def test_negative_weighted_degree_is_named_not_nan():
+    from gcomp.errors import InputError
+    from gcomp.runtime.data import GraphData
+    art = compile_model(models.build("gcn", 4, hidden=4, out_channels=2, edge_weight=True))
+    ei = np.array([[0, 1, 2, 3], [1, 2, 3, 0]])
+    x = np.ones((4, 4), np.float32)
+    ok = art.run(GraphData("w", 4, ei, x, np.array([1.0, 2.0, 0.5, 1.0], np.float32)))[0]
+    assert np.isfinite(ok).all()
+    w = np.array([1.0, -3.0, 0.5, 1.0], np.float32)  # node 2: -3 + its self loop's 1
+    with pytest.raises(InputError, match="gives node 2 the weighted degree -2 "):
+        art.run(GraphData("w", 4, ei, x, w))

@@ -403,6 +403,69 @@ def test_invalid_model_and_missing_file(tmp_path):
         import_onnx(tmp_path / "junk.onnx")
 
 
+def test_dropout_exported_in_training_mode_is_refused():
+    proto = _aggregation()
+    proto.graph.node.extend([_const("ratio", 0.5, np.float32), _const("train", True, np.bool_),
+                             helper.make_node("Dropout", ["out", "ratio", "train"], ["d"],
+                                              name="the_dropout")])
+    proto.graph.output[0].name = "d"
+    _raises(proto, "the_dropout", "Dropout", "training mode", "model.eval()")
+    proto.graph.node[-2].CopyFrom(_const("train", False, np.bool_))  # eval mode: identity
+    g = awkward_graph(num_nodes=40, num_edges=150, num_features=4, seed=2)
+    _check_against_onnx(proto, g, {"x": g.dense_x(), "edge_index": g.edge_index.astype(np.int64)})
+
+
+def test_empty_file_is_not_an_opset_problem(tmp_path):
+    (tmp_path / "empty.onnx").write_bytes(b"")
+    with pytest.raises(ModelImportError, match="not a readable ONNX model: it holds no graph"):
+        import_onnx(tmp_path / "empty.onnx")
+
+
+def test_a_per_node_vector_input_is_not_taken_for_edge_weights():
+    proto = _aggregation()
+    proto.graph.input.append(_vi("node_scale", TensorProto.FLOAT, ["N"]))
+    _raises(proto, "cannot infer the role of input(s) node_scale",
+            "node values besides the features")
+
+
+def test_weights_exported_as_inputs_get_a_hint():
+    proto = _aggregation()
+    w = proto.graph.initializer.pop()
+    proto.graph.input.append(_vi(w.name, TensorProto.FLOAT, list(w.dims)))
+    _raises(proto, "cannot infer the role of input(s) W", "export_params=True")
+
+
+def test_cli_run_writes_every_output_of_a_model_with_several(tmp_path, capsys):
+    proto = _aggregation()
+    proto.graph.node.append(helper.make_node("Relu", ["agg"], ["h"]))
+    proto.graph.node.append(helper.make_node("Relu", ["agg"], ["h2"]))  # cse merges it with h
+    proto.graph.output.append(_vi("h", TensorProto.FLOAT, ["N", 4]))
+    proto.graph.output.append(_vi("h2", TensorProto.FLOAT, ["N", 4]))
+    src = tmp_path / "two.onnx"
+    onnx.save(proto, src)
+    art = tmp_path / "two.gcomp"
+    assert main(["compile", str(src), "-o", str(art)]) == 0
+    g = awkward_graph(num_nodes=40, num_edges=150, num_features=4, seed=2)
+    gpath = tmp_path / "g.npz"
+    np.savez(gpath, edge_index=g.edge_index, x=g.x)
+    capsys.readouterr()
+    assert main(["run", str(art), "--graph", str(gpath), "--out", str(tmp_path / "y.npy")]) == 2
+    assert "3 outputs (out, h, h2): give --out FILE.npz" in capsys.readouterr().err
+    assert main(["run", str(art), "--graph", str(gpath), "--out", str(tmp_path / "y.npz")]) == 0
+    ref = ReferenceEvaluator(proto).run(None, {"x": g.x, "edge_index": g.edge_index})
+    with np.load(tmp_path / "y.npz") as z:
+        assert sorted(z.files) == ["h", "h2", "out"]
+        for k, name in enumerate(["out", "h", "h2"]):
+            assert rel_err(z[name], ref[k]) <= 1e-4, name
+
+
+def test_compiling_for_a_graph_of_another_feature_width_is_refused():
+    from gcomp.errors import CompileError
+    g = awkward_graph(num_nodes=40, num_edges=150, num_features=6, seed=2)
+    with pytest.raises(CompileError, match="has 6 features per node; the model's input 'x' takes 4"):
+        compile_model(import_proto(_aggregation()), graph=g)
+
+
 # ---------------------------------------------------------------------- CLI
 def test_cli_compile_and_explain(tmp_path, capsys):
     out = tmp_path / "m.gcomp"

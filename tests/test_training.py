@@ -13,7 +13,7 @@ import gcomp.models as models
 from gcomp.cli import main
 from gcomp.codegen.optimizer import OptimizerConfig
 from gcomp.compiler import compile_model
-from gcomp.errors import ArtifactError, InputError
+from gcomp.errors import ArtifactError, GcompError, InputError
 from gcomp.frontend.builder import GraphInput, NodeInput, trace
 from gcomp.ir import RefGraph, interpret
 from gcomp.passes import training_pipeline
@@ -104,6 +104,81 @@ def test_checkpoint_resume_gives_the_same_losses(tmp_path):
     assert first != rest
 
 
+def test_resume_on_a_graph_without_masks_keeps_the_split_of_the_seed(tmp_path, capsys):
+    """The split of a graph without masks comes from the seed: a checkpoint resumes with
+    the seed it was trained with (the CLI takes it from the checkpoint), never silently
+    on another split."""
+    g = labelled(awkward_graph(num_nodes=60, num_edges=300, num_features=5, seed=2), 3)
+    g.train_mask = g.val_mask = g.test_mask = None
+    art = compile_model(models.build("gcn", 5, hidden=4, out_channels=3), train=True)
+    a = Trainer(art, g, seed=3)
+    [a.step() for _ in range(3)]
+    a.save(tmp_path / "ck.npz")
+    rest = [a.step() for _ in range(3)]
+    b = Trainer(art, g, seed=0)
+    with pytest.raises(InputError, match="trained with seed 3, which drew its train/val/test"):
+        b.load(tmp_path / "ck.npz")
+    c = Trainer(art, g, seed=3)
+    c.load(tmp_path / "ck.npz")
+    assert [c.step() for _ in range(3)] == rest
+    # the CLI: --resume without --seed takes the checkpoint's
+    path = tmp_path / "g.npz"
+    np.savez(path, edge_index=g.edge_index, x=g.x, y=g.y)
+    art_path = str(tmp_path / "gcn.gcomp")
+    art.save(art_path)
+
+    def final_loss(*extra):
+        assert main(["train", art_path, "--graph", str(path), "--json", *extra]) == 0
+        return json.loads(capsys.readouterr().out.splitlines()[-1])["final_loss"]
+    whole = final_loss("--epochs", "6", "--seed", "3")
+    final_loss("--epochs", "3", "--seed", "3", "--checkpoint", str(tmp_path / "ck3.npz"))
+    assert final_loss("--epochs", "3", "--resume", str(tmp_path / "ck3.npz")) == whole
+    assert main(["train", art_path, "--graph", str(path), "--epochs", "1", "--seed", "0",
+                 "--resume", str(tmp_path / "ck3.npz")]) == 2
+    assert "trained with seed 3" in capsys.readouterr().err
+
+
+def test_cli_train_writes_nothing_over_its_inputs_and_checks_the_output_first(tmp_path,
+                                                                              capsys):
+    path = tmp_path / "g.npz"
+    g = labelled(awkward_graph(num_nodes=30, num_edges=100, num_features=4), 3)
+    np.savez(path, edge_index=g.edge_index, x=g.x, y=g.y)
+    before = path.read_bytes()
+    assert main(["train", "gcn", "--graph", str(path), "--epochs", "1",
+                 "--checkpoint", str(path)]) == 2
+    assert "is an input of this command" in capsys.readouterr().err
+    assert path.read_bytes() == before
+    art = tmp_path / "gcn.gcomp"
+    compile_model(models.build("gcn", 4, hidden=4, out_channels=3), train=True).save(art)
+    art_bytes = art.read_bytes()
+    assert main(["train", str(art), "--graph", str(path), "--epochs", "1",
+                 "--checkpoint", str(art)]) == 2
+    assert art.read_bytes() == art_bytes
+    capsys.readouterr()
+    assert main(["train", str(art), "--graph", str(path), "--epochs", "1",
+                 "--checkpoint", str(tmp_path / "missing" / "ck.npz")]) == 2
+    err = capsys.readouterr().err
+    assert "does not exist" in err and "epochs" not in err  # refused before training
+
+
+def test_cli_train_json_is_valid_json_without_numbers_to_report(tmp_path, capsys):
+    art = tmp_path / "gcn.gcomp"
+    compile_model(models.build("gcn", 4, hidden=4, out_channels=3), train=True).save(art)
+    g = labelled(awkward_graph(num_nodes=30, num_edges=100, num_features=4), 3)
+    g.val_mask = np.zeros(30, bool)  # an accuracy over no node
+    path = tmp_path / "g.npz"
+    np.savez(path, edge_index=g.edge_index, x=g.x, y=g.y, train_mask=g.train_mask,
+             val_mask=g.val_mask, test_mask=g.test_mask)
+    assert main(["train", str(art), "--graph", str(path), "--epochs", "0", "--json",
+                 "--best-val"]) == 0
+
+    def no_nan(c):
+        raise AssertionError(f"{c} in the JSON")
+    r = json.loads(capsys.readouterr().out.splitlines()[-1], parse_constant=no_nan)
+    assert r["final_loss"] is None and r["val_acc"] is None and r["best_epoch"] is None
+    assert r["test_acc"] is not None
+
+
 def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     g = labelled(awkward_graph(num_nodes=30, num_edges=100, num_features=4), 3)
     tr = Trainer(compile_model(models.build("gcn", 4, hidden=4, out_channels=3), train=True), g)
@@ -116,7 +191,7 @@ def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     def boom(*a):
         raise OSError("disk full")
     monkeypatch.setattr(os, "replace", boom)
-    with pytest.raises(OSError):
+    with pytest.raises(GcompError, match="cannot write .*ck.npz.*disk full"):
         tr.save(path)
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck.npz"]

@@ -30,6 +30,11 @@ def host_cpu() -> str:
 def make_target(kind: str, mcpu: str | None = None, arch: str | None = None) -> dict:
     """The JSON target dict for ``kind`` (``llvm``: host CPU unless ``mcpu`` given)."""
     if kind == "llvm":
+        if mcpu is not None:
+            triple = tvm.get_global_func("target.llvm_get_system_triple")()
+            if not tvm.get_global_func("target.llvm_is_valid_cpu")(mcpu, triple):
+                raise CompileError(f"unknown CPU {mcpu!r} for --mcpu: LLVM knows CPUs such as "
+                                   f"znver3, sapphirerapids, skylake-avx512, x86-64")
         return {"kind": "llvm", "mcpu": mcpu or host_cpu()}
     if kind == "cuda":
         from gcomp.codegen.cuda_build import parse_arch

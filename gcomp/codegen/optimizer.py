@@ -14,7 +14,7 @@ gradient, SGD with momentum, dampening and Nesterov.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from math import prod
+from math import isfinite, prod
 
 from gcomp.codegen.kernels import KernelSpec
 from gcomp.errors import CompileError
@@ -39,8 +39,20 @@ class OptimizerConfig:
     def __post_init__(self):
         if self.name not in ("adam", "sgd"):
             raise CompileError(f"unknown optimizer {self.name!r} (adam, sgd)")
+        values = {k: float(getattr(self, k)) for k in
+                  ("lr", "beta1", "beta2", "eps", "weight_decay", "momentum", "dampening")}
+        bad = [f"{k}={v}" for k, v in values.items() if not isfinite(v)]
+        if bad:
+            raise CompileError(f"optimizer hyperparameters must be finite: {', '.join(bad)}")
         if self.lr <= 0 or self.weight_decay < 0 or self.eps <= 0:
             raise CompileError("optimizer needs lr > 0, eps > 0 and weight_decay >= 0")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise CompileError("adam needs 0 <= beta1, beta2 < 1")
+        if self.momentum < 0 or not 0 <= self.dampening <= 1:
+            raise CompileError("sgd needs momentum >= 0 and 0 <= dampening <= 1")
+        if self.name == "adam" and (self.momentum or self.dampening or self.nesterov):
+            raise CompileError("momentum, dampening and nesterov are sgd's; adam has beta1 "
+                               "and beta2 (--optimizer sgd to use them)")
 
     def hparams(self) -> list[float]:
         if self.name == "adam":

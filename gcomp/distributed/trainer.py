@@ -23,7 +23,7 @@ from gcomp.distributed.halo import (Comm, DistExecutor, DistributedError, build_
                                     fused_epilogues, local_graph)
 from gcomp.distributed.launch import maybe_fault
 from gcomp.distributed.partition import check_parts, partition_graph, partition_report
-from gcomp.runtime.data import GraphData
+from gcomp.runtime.data import GraphData, check_graph
 from gcomp.runtime.trainer import Trainer, require_training
 
 
@@ -40,6 +40,7 @@ class DistributedTrainer(Trainer):
                                    f"{artifact.manifest['precision']}")
         self.comm = comm or Comm()
         rank, size = self.comm.rank, self.comm.size
+        graph = check_graph(graph)
         self.artifact, self.graph, self.seed = artifact, graph, int(seed)
         self._set_masks(graph, seed)
         if parts is None:

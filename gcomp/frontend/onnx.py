@@ -59,6 +59,9 @@ def import_onnx(path, roles: dict | None = None) -> Model:
         raise ModelImportError(f"{str(path)!r}: no such file") from None
     except Exception as e:  # protobuf decode errors have many types
         raise ModelImportError(f"{str(path)!r} is not a readable ONNX model: {e}") from None
+    if not proto.opset_import and not proto.graph.node:  # protobuf reads most bytes as empty
+        raise ModelImportError(f"{str(path)!r} is not a readable ONNX model: it holds no graph "
+                               "and no opset (an empty or unrelated file?)")
     return import_proto(proto, roles, name=path.stem, source=path.name)
 
 
@@ -91,7 +94,7 @@ def import_proto(proto, roles: dict | None = None, name: str = "onnx_model",
     g = proto.graph
     inits = {t.name: t for t in g.initializer}
     inputs = [i for i in g.input if i.name not in inits]
-    assigned = assign_roles(inputs, roles)
+    assigned = assign_roles(inputs, roles, weights_as_inputs=not inits)
 
     ir = Graph(_ir_name(name))
     em = Emitter(ir, Lin.atom("N"))
@@ -152,8 +155,10 @@ def _info(vi) -> tuple[str, tuple]:
     return kind, dims
 
 
-def assign_roles(inputs, roles: dict | None) -> dict:
-    """role -> ONNX input name, from ``roles`` and then names, ranks and dtypes."""
+def assign_roles(inputs, roles: dict | None, weights_as_inputs: bool = False) -> dict:
+    """role -> ONNX input name, from ``roles`` and then names, ranks, dtypes and the
+    exporter's dimension names (an edge-weight vector is not indexed by the nodes).
+    ``weights_as_inputs``: the model has no initializers (errors then say so)."""
     roles = {k: v for k, v in (roles or {}).items() if v}
     names = [i.name for i in inputs]
     for role, nm in roles.items():
@@ -163,6 +168,13 @@ def assign_roles(inputs, roles: dict | None) -> dict:
             raise ModelImportError(f"the {role} input {nm!r} is not an input of the model "
                                    f"(inputs: {', '.join(names)})")
     info = {i.name: _info(i) for i in inputs}
+    # symbolic sizes naming the nodes (the first axis of a float [N, F] input) and the edges
+    node_dims = {d[0] for k, d in info.values() if k == "float" and d and len(d) == 2
+                 and isinstance(d[0], str) and d[0] != "?"}
+    edge_dims = {d[1] for k, d in info.values() if k == "int" and d and len(d) == 2
+                 and isinstance(d[1], str)}
+    hint = ("; the model has no initializers: were its weights exported as inputs? Export "
+            "with export_params=True" if weights_as_inputs else "")
 
     def fits(role, name):
         kind, dims = info[name]
@@ -173,7 +185,8 @@ def assign_roles(inputs, roles: dict | None) -> dict:
         if role == "edge_index":
             return kind == "int" and len(dims) == 2 and 2 in dims
         if role == "edge_weight":
-            return kind == "float" and len(dims) == 1
+            return kind == "float" and len(dims) == 1 and not (
+                dims[0] in node_dims and dims[0] not in edge_dims)
         return kind == "float" and len(dims) == 2 and dims[0] == dims[1] and dims[0] != "?"
 
     out = dict(roles)
@@ -193,7 +206,7 @@ def assign_roles(inputs, roles: dict | None) -> dict:
         elif len(cands) > 1:
             raise ModelImportError(f"cannot tell which input is the {role} input: "
                                    f"{', '.join(cands)} all fit; name it with "
-                                   f"--{role.replace('_', '-')}-input")
+                                   f"--{role.replace('_', '-')}-input{hint}")
     if "features" not in out:
         raise ModelImportError("the model has no node-feature input (a float [num_nodes, F] "
                                f"input); inputs: {_describe(inputs)}; name it with "
@@ -204,9 +217,13 @@ def assign_roles(inputs, roles: dict | None) -> dict:
                                "--edge-index-input")
     extra = [n for n in names if n not in out.values()]
     if extra:
+        per_node = [n for n in extra if info[n][1] and info[n][1][0] in node_dims]
+        why = (f"; {', '.join(per_node)}: node values besides the features are not inputs "
+               "gcomp takes (concatenate them onto the features)" if per_node else "")
         raise ModelImportError(f"cannot infer the role of input(s) {', '.join(extra)} "
                                f"({_describe([i for i in inputs if i.name in extra])}); "
-                               "gcomp models take features, edge_index and edge_weight inputs")
+                               "gcomp models take features, edge_index and edge_weight inputs"
+                               f"{why}{hint}")
     return out
 
 

@@ -859,6 +859,13 @@ def t_gemm(interp, node, ins):
 
 
 def t_dropout(interp, node, ins):
+    """Identity, as in the eval-mode export gcomp imports (no training_mode, or False);
+    a model trained by gcomp gets its dropout from the bundled models' --dropout."""
+    if len(ins) > 2 and ins[2] is not None:
+        mode = want_known(ins[2], "Dropout's training_mode")
+        if bool(mode.arr.reshape(-1)[0]):
+            raise ModelImportError("exported in training mode (training_mode=True: random "
+                                   "masks); export after model.eval()")
     return [ins[0], Fill(True, ins[0].shape, "bool")]
 
 

@@ -23,6 +23,7 @@ import io
 import json
 import os
 import tempfile
+import threading
 import zipfile
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from gcomp.runtime.plan import HUB_TASKS_VERSION, PLAN_VERSION, Plan, kernel_kin
 FORMAT = "gcomp-artifact"
 FORMAT_VERSION = 1
 LIB_NAME = "kernels.so"
+_EXECUTOR_LOCK = threading.Lock()
 
 
 def _sha(data: bytes) -> str:
@@ -150,10 +152,11 @@ class Artifact:
 
     def executor(self):
         """An executor of the forward plan (inference)."""
-        if self._executor is None:
-            from gcomp.runtime.executor import Executor
-            self._executor = Executor(self.plan, self.library(), self.params,
-                                      device=self.device())
+        with _EXECUTOR_LOCK:  # threads calling run() at once share one executor
+            if self._executor is None:
+                from gcomp.runtime.executor import Executor
+                self._executor = Executor(self.plan, self.library(), self.params,
+                                          device=self.device())
         return self._executor
 
     def run(self, graph, features: dict | None = None) -> list[np.ndarray]:
@@ -248,12 +251,12 @@ def load(path: str | Path) -> Artifact:
                                 f"{manifest.get('format') if isinstance(manifest, dict) else None!r})")
         if manifest.get("format_version") != FORMAT_VERSION:
             raise ArtifactError(f"{str(path)!r} has artifact format version "
-                                f"{manifest.get('format_version')}; this gcomp ({__version__}) "
+                                f"{manifest.get('format_version')!r}; this gcomp ({__version__}) "
                                 f"reads version {FORMAT_VERSION}: recompile the model")
         plan_version = manifest.get("plan_version", 1)
         if not isinstance(plan_version, int) or plan_version > PLAN_VERSION:
             raise ArtifactError(f"{str(path)!r} holds a plan of version "
-                                f"{plan_version}; this gcomp ({__version__}) "
+                                f"{plan_version!r}; this gcomp ({__version__}) "
                                 f"runs plans up to version {PLAN_VERSION}: update gcomp or "
                                 "recompile the model")
         built_tvm, here = manifest.get("tvm_version"), tvm_version()

@@ -14,6 +14,7 @@ out of range, negative or not integers, wrong shapes, NaN/Inf values.
 
 from __future__ import annotations
 
+import dataclasses
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,7 +69,7 @@ def check_edge_index(edge_index, num_nodes: int, what: str = "edge_index") -> np
                              f"at edge {bad[1]}")
     elif ei.dtype.kind not in "iu":
         raise InputError(f"{what} must hold integers, got dtype {ei.dtype}")
-    ei = ei.astype(np.int64)
+    ei = ei.astype(np.int64, copy=False)
     if ei.size:
         lo, hi = ei.min(), ei.max()
         if lo < 0:
@@ -92,8 +93,30 @@ def all_finite(a: np.ndarray) -> bool:
     return bool(np.isfinite(a.min()) and np.isfinite(a.max()))
 
 
+def check_sparse(x, what: str = "features"):
+    """``x`` as a CSR matrix whose structure is valid: scipy trusts the index arrays it is
+    given, and an index past the columns (or negative) silently moves a value to another
+    row or crashes a conversion (segmentation fault in ``todense``)."""
+    x = x.tocsr()
+    indptr, indices = x.indptr, x.indices
+    rows, cols = x.shape
+    if (len(indptr) != rows + 1 or indptr[0] != 0 or indptr[-1] > len(indices)
+            or np.any(np.diff(indptr) < 0)):
+        raise InputError(f"{what}: the CSR row pointers (indptr) do not describe {rows} rows "
+                         f"of at most {len(indices)} entries")
+    used = indices[:indptr[-1]]
+    bad = np.flatnonzero((used < 0) | (used >= cols))
+    if bad.size:
+        k = int(bad[0])
+        row = int(np.searchsorted(indptr, k, side="right") - 1)
+        raise InputError(f"{what}: the CSR column indices hold {int(used[k])} (entry {k}, "
+                         f"row {row}), out of range for {cols} features")
+    return x
+
+
 def check_features(x, num_nodes: int | None, what: str = "features"):
     if sp.issparse(x):
+        x = check_sparse(x, what)
         data = x.data
     else:
         x = np.asarray(x)
@@ -101,7 +124,8 @@ def check_features(x, num_nodes: int | None, what: str = "features"):
             raise InputError(f"{what} must be numeric, got dtype {x.dtype}")
         if x.ndim != 2:
             raise InputError(f"{what} must be a 2-D [nodes, features] array, got shape {x.shape}")
-        x = np.ascontiguousarray(x, dtype=np.float32)
+        with np.errstate(over="ignore"):  # values past float32's range: reported below
+            x = np.ascontiguousarray(x, dtype=np.float32)
         data = x
     if not all_finite(data):
         idx = np.argwhere(~np.isfinite(np.asarray(x.todense() if sp.issparse(x) else x)))[0]
@@ -123,8 +147,49 @@ def check_edge_values(w, num_edges: int, what: str = "edge_weight") -> np.ndarra
     return w
 
 
+def check_graph(g: GraphData) -> GraphData:
+    """``g`` checked as ``load_graph`` checks a file (a graph built in Python reaches the
+    runtime without it): the node count, the edge list, edge values, the features' rows
+    (and a sparse matrix's structure), labels and masks.  Returns ``g`` itself when its
+    arrays are already in their checked form, else a copy holding those forms; the
+    caller's object is never changed.  Feature values are checked when fed."""
+    n = g.num_nodes
+    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise InputError(f"graph {g.name!r}: num_nodes must be a non-negative integer, "
+                         f"got {n!r}")
+    n = int(n)
+    new = {"num_nodes": n} if type(g.num_nodes) is not int else {}
+    ei = check_edge_index(g.edge_index, n, f"{g.name}: edge_index")
+    if ei is not g.edge_index:
+        new["edge_index"] = ei
+    if g.edge_weight is not None:
+        w = check_edge_values(g.edge_weight, ei.shape[1], f"{g.name}: edge_weight")
+        if w is not g.edge_weight:
+            new["edge_weight"] = w
+    if g.x is not None:
+        if sp.issparse(g.x):
+            check_sparse(g.x, f"{g.name}: x")
+        elif np.ndim(g.x) != 2:
+            raise InputError(f"{g.name}: x must be a 2-D [nodes, features] array, got shape "
+                             f"{np.shape(g.x)}")
+        if g.x.shape[0] != n:
+            raise InputError(f"{g.name}: x has {g.x.shape[0]} rows but the graph has {n} nodes")
+    if g.y is not None:
+        y = np.asarray(g.y)
+        if y.shape != (n,) or y.dtype.kind not in "iu":
+            raise InputError(f"{g.name}: y must be {n} integer labels, got {y.dtype} {y.shape}")
+    for m in ("train_mask", "val_mask", "test_mask"):
+        v = getattr(g, m)
+        if v is not None and (np.shape(v) != (n,) or np.asarray(v).dtype != bool):
+            raise InputError(f"{g.name}: {m} must be {n} booleans, got "
+                             f"{np.asarray(v).dtype} {np.shape(v)}")
+    return dataclasses.replace(g, **new) if new else g
+
+
 def _load_npz(path: Path) -> dict:
     try:
+        if path.is_file() and not zipfile.is_zipfile(path):  # np.load would try a pickle
+            raise InputError(f"graph file {str(path)!r} is not an .npz archive")
         with np.load(path, allow_pickle=False) as z:
             return {k: z[k] for k in z.files}
     except FileNotFoundError:
@@ -160,6 +225,11 @@ def load_graph(spec: str | Path) -> GraphData:
         except (KeyError, ValueError, TypeError) as e:
             raise InputError(f"{name}: bad CSR feature arrays (x_indptr/x_indices/x_data/x_shape): {e}") from None
         x = check_features(x, None, f"{name}: x")
+    if "num_nodes" in d:
+        v = np.asarray(d["num_nodes"])
+        if v.shape != () or v.dtype.kind not in "iu" or int(v) < 0:
+            raise InputError(f"{name}: num_nodes must be one non-negative integer, got "
+                             f"{v.dtype} {v.tolist()!r}")
     if x is not None:
         num_nodes = int(x.shape[0])
         if "num_nodes" in d and int(d["num_nodes"]) != num_nodes:

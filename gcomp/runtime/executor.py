@@ -23,6 +23,7 @@ numpy arithmetic happens there.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -32,7 +33,8 @@ import tvm
 import tvm_ffi
 
 from gcomp.errors import InputError
-from gcomp.runtime.data import GraphData, check_edge_values, check_features
+from gcomp.runtime.data import (GraphData, check_edge_values, check_features, check_graph,
+                                check_sparse)
 from gcomp.runtime import formats as fmts
 from gcomp.runtime.features import SparseFeatures, sparse_enough
 from gcomp.runtime.graph import GraphStructure
@@ -82,6 +84,25 @@ def _aligned_bytes(nbytes: int, align: int = 4096) -> np.ndarray:
     raw = np.empty(nbytes + align, np.uint8)
     start = -raw.ctypes.data % align
     return raw[start:start + nbytes]
+
+
+class _ReadOnly:
+    """A read-only array's memory, exported as writeable (below); holds the array."""
+
+    def __init__(self, a: np.ndarray):
+        self.array = a
+        face = a.__array_interface__
+        self.__array_interface__ = {**face, "data": (face["data"][0], False)}
+
+
+def _dlpack(a: np.ndarray, **kw):
+    """A tensor over ``a``'s memory.  numpy does not export a read-only array (an
+    ``np.load(..., mmap_mode="r")`` file, a frozen buffer) through DLPack; the kernels
+    given these arrays only read them (features read in place, graph arrays), so such an
+    array goes as a writeable view of the same memory, which keeps it alive."""
+    if not a.flags.writeable:
+        a = np.asarray(_ReadOnly(a))
+    return tvm_ffi.from_dlpack(a, **kw)
 
 
 def _view(storage: np.ndarray, offset: int, shape: tuple, dtype: str):
@@ -165,6 +186,11 @@ def decide_layout(plan: Plan, graph: GraphData, features: dict | None = None,
 
     steps = fmts.format_steps(plan)
     use_formats = formats != "csr" and bool(plan.formats) and bool(steps)
+    if formats not in ("auto", "csr") and not use_formats:
+        why = (f"it was compiled for graph {plan.specialized['graph']!r}, whose formats were "
+               "chosen then; compile without --graph to keep every format"
+               if plan.specialized else "it has no aggregation another format could run")
+        raise InputError(f"format {formats!r}: this artifact has only CSR kernels ({why})")
 
     def choose(sizes, block, mode, narrowest=None):
         if not use_formats:
@@ -196,6 +222,9 @@ class Executor:
         self.plan = plan
         self.lib = lib
         self.device = device or tvm.cpu()
+        # run() from several threads (a service's request handlers) takes turns: an executor
+        # holds one binding at a time, and its buffers are that binding's
+        self._lock = threading.RLock()
         self.on_cpu = self.device.dlpack_device_type() == tvm.cpu().dlpack_device_type()
         self.functions = {}
         for k in plan.kernels():
@@ -265,6 +294,7 @@ class Executor:
             return b
         t0 = time.perf_counter()
         user_graph, user_features = graph, features
+        graph = check_graph(graph)
         lay = decide_layout(self.plan, graph, features, self.reorder, self.formats,
                             self._structures, gpu=not self.on_cpu)
         order, graph, features, structures, sizes = (lay.order, lay.graph, lay.features,
@@ -311,7 +341,7 @@ class Executor:
                 # on the CPU the kernels read the structure's own arrays (a copy would
                 # double the graph's memory: 20 MB of CSR and CSC on arxiv-size); not
                 # empty ones, whose numpy strides TVM calls non-compact
-                arrays[key] = (tvm_ffi.from_dlpack(np.ascontiguousarray(a))
+                arrays[key] = (_dlpack(np.ascontiguousarray(a))
                                if self.on_cpu and a.size else tvm.runtime.tensor(a, self.device))
             return arrays[key]
 
@@ -352,6 +382,7 @@ class Executor:
         self._run_bind_steps(b, [(s, self.functions[s["kernel"]], args)
                                  for s in self.plan.bind_steps
                                  for args in [args_of(s)] if self._launchable(args)])
+        self._check_degrees(b)
 
         def selected(steps):
             return [(s, args) for s in steps
@@ -407,7 +438,7 @@ class Executor:
                 t = own
             else:
                 view = flat[:int(np.prod(shape))].reshape(shape)
-                t = tvm_ffi.from_dlpack(view, require_alignment=0)
+                t = _dlpack(view, require_alignment=0)
             args = list(steps[k][-1])
             args[i] = t
             steps[k] = (*steps[k][:-1], tuple(args))
@@ -507,6 +538,21 @@ class Executor:
         for _, fn, args in steps:
             fn(*args)
 
+    def _check_degrees(self, b: Binding) -> None:
+        """GCN's normalization takes deg^-1/2 of each node's weighted degree: a negative one
+        (negative edge weights) would make the outputs NaN; name the node instead."""
+        for s in self.plan.bind_steps:
+            if s["op"] == "sym_norm" and len(s["args"]) == 5:  # weighted: its degrees
+                deg = b.buffers[s["args"][2]["buf"]].numpy()
+                neg = np.flatnonzero(deg < 0)
+                if neg.size:
+                    i = int(neg[0])
+                    node = int(b.order[i]) if b.order is not None else i
+                    raise InputError(
+                        f"graph {b.graph.name!r}: edge_weight gives node {node} the weighted "
+                        f"degree {float(deg[i]):.4g} (its in-edge weights and self loop "
+                        "summed); GCN's normalization deg^-1/2 needs it >= 0")
+
     def _run_feed_steps(self, binding: Binding) -> None:
         """Run the feed-phase kernels (``binding.feed_steps``) on the inputs just fed."""
         for _, fn, args in binding.feed_steps:
@@ -548,6 +594,9 @@ class Executor:
         to other feature values, or to values since changed in place (their nonzero
         arrays belong to the binding).
         """
+        for k, v in values.items():
+            if sp.issparse(v):  # scipy trusts the index arrays it holds
+                check_sparse(v, k)
         bound = {k: v for k, v in values.items() if k in binding.features_src}
         if any(binding.features_src[k] != id(v) for k, v in bound.items()):
             binding = self.bind(binding.graph, bound)  # the last one, if bound with these
@@ -591,7 +640,7 @@ class Executor:
                     or not value.flags.c_contiguous):
                 return True
             array = value if b.order is None else np.ascontiguousarray(value[b.order])
-            t = tvm_ffi.from_dlpack(array, require_alignment=0)
+            t = _dlpack(array, require_alignment=0)
         elif sp.issparse(value):  # compared as the CSR arrays they were bound as
             csr = sp.csr_matrix(value if b.order is None else value[b.order], dtype=np.float32)
             csr.sort_indices()
@@ -605,7 +654,7 @@ class Executor:
             t = value
         if name not in b.sparse_args:
             b.sparse_args[name] = tuple(
-                tvm_ffi.from_dlpack(a, require_alignment=0) if a.size
+                _dlpack(a, require_alignment=0) if a.size
                 else tvm.runtime.tensor(a, self.device)
                 for a in (sf.indptr, sf.indices, sf.values))
         flags = self._match_flags
@@ -656,7 +705,7 @@ class Executor:
             elif "feed_kernel" in inp and read and binding.order is None:
                 kernel, out = inp["feed_kernel"], (binding.buffers[name],)
         if kernel is not None:
-            self.functions[kernel](tvm_ffi.from_dlpack(value, require_alignment=0), *out,
+            self.functions[kernel](_dlpack(value, require_alignment=0), *out,
                                    self._feed_flags)
             if self._feed_flags.numpy().max() == NONFINITE:
                 check_features(value, binding.graph.num_nodes, name)  # names the entry
@@ -701,11 +750,14 @@ class Executor:
         return outs
 
     def run(self, graph: GraphData, features: dict[str, np.ndarray] | None = None) -> list[np.ndarray]:
-        """Bind ``graph`` (cached), feed node inputs (default: the graph's own ``x``), run."""
-        binding = self.bind(graph, features)
-        if features is None:
-            features = {i["name"]: graph.x if graph.x is not None else graph.dense_x()
-                        for i in self.node_inputs()}
-        binding = self.feed(binding, features)
-        self.execute(binding)
-        return self.outputs(binding)
+        """Bind ``graph`` (cached), feed node inputs (default: the graph's own ``x``), run.
+        Safe to call from several threads, which take turns (bind, feed and execute
+        themselves are not: one thread drives them)."""
+        with self._lock:
+            binding = self.bind(graph, features)
+            if features is None:
+                features = {i["name"]: graph.x if graph.x is not None else graph.dense_x()
+                            for i in self.node_inputs()}
+            binding = self.feed(binding, features)
+            self.execute(binding)
+            return self.outputs(binding)

@@ -23,7 +23,7 @@ import numpy as np
 
 from gcomp.errors import ArtifactError, InputError
 from gcomp.files import write_atomic
-from gcomp.runtime.data import GraphData
+from gcomp.runtime.data import GraphData, check_graph
 from gcomp.runtime.executor import Executor
 from gcomp.runtime.synthetic import random_split
 
@@ -48,6 +48,21 @@ def masks_of(graph: GraphData, seed: int = 0) -> tuple[np.ndarray, np.ndarray, n
     return masks[0], masks[1], masks[2]
 
 
+def read_checkpoint(path: str | Path) -> tuple[dict, dict]:
+    """(arrays, metadata) of a checkpoint written by ``Trainer.save``."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+        meta = json.loads(arrays.pop("meta").tobytes())
+    except FileNotFoundError:
+        raise InputError(f"checkpoint {str(path)!r} does not exist") from None
+    except (ValueError, KeyError, OSError, EOFError, AttributeError) as e:
+        raise InputError(f"{str(path)!r} is not a readable gcomp checkpoint: {e}") from None
+    if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
+        raise InputError(f"{str(path)!r} is not a gcomp checkpoint")
+    return arrays, meta
+
+
 def require_training(artifact) -> None:
     if artifact.train_plan is None:
         raise ArtifactError("this artifact was compiled for inference; compile it with "
@@ -62,6 +77,7 @@ class Trainer:
         by the graph's statistics); ``reorder`` the node order (``runtime/reorder.py``);
         ``formats`` the adjacency format (``runtime/formats.py``)."""
         require_training(artifact)
+        graph = check_graph(graph)
         self.artifact = artifact
         self.graph = graph
         self.seed = int(seed)
@@ -173,19 +189,17 @@ class Trainer:
         return write_atomic(path, lambda f: np.savez(f, **arrays))
 
     def load(self, path: str | Path) -> None:
-        """Resume from a checkpoint written by ``save`` for the same compiled model."""
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                arrays = {k: z[k] for k in z.files}
-            meta = json.loads(arrays.pop("meta").tobytes())
-        except FileNotFoundError:
-            raise InputError(f"checkpoint {str(path)!r} does not exist") from None
-        except (ValueError, KeyError, OSError, EOFError) as e:
-            raise InputError(f"{str(path)!r} is not a readable gcomp checkpoint: {e}") from None
-        if meta.get("format") != CHECKPOINT_FORMAT:
-            raise InputError(f"{str(path)!r} is not a gcomp checkpoint")
+        """Resume from a checkpoint written by ``save`` for the same compiled model, with
+        the same split: on a graph without masks, a trainer of the checkpoint's seed."""
+        arrays, meta = read_checkpoint(path)
         if meta.get("artifact") != self._fingerprint():
             raise InputError(f"checkpoint {str(path)!r} belongs to a different compiled model")
+        if int(meta["seed"]) != self.seed and self.graph.train_mask is None:
+            raise InputError(
+                f"checkpoint {str(path)!r} was trained with seed {int(meta['seed'])}, which drew "
+                f"its train/val/test split (graph {self.graph.name!r} has no masks); this "
+                f"trainer's seed {self.seed} draws another: resume with seed "
+                f"{int(meta['seed'])} (gcomp train --resume picks it when --seed is not given)")
         for k, v in arrays.items():
             name = k.split("/", 1)[1]
             if name not in self.store:
