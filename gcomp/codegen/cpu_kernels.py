@@ -49,6 +49,14 @@ from gcomp.runtime.plan import FEED_PARTS, NONFINITE
 
 PARTS = 256             # row ranges of equal work (in-edges + rows) shared out to threads
 PREFETCH_DISTANCE = 32  # edges ahead: measured best of 16 / 32 / 64 / 128 at 32 features
+# rows of 8 lines and more (128 floats): prefetched into L2 only, further ahead, so the
+# core's few L1 fill buffers are not all held by lines asked for early.  arxiv-size
+# aggregation at 128 features, Intel Xeon, 2 threads, interleaved medians of 25: 18.5 ->
+# 17.6 ms (rows on a cache line), 20.8 -> 18.7 (rows 16 bytes past one); L2 at 32 edges
+# 20.2 / 20.8, all levels at 64 edges 20.0 / 21.0.  At 32 features L2 was slower (3.0 ->
+# 4.1 ms), so narrower rows keep the defaults.
+WIDE_ROW_LINES = 8
+WIDE_PREFETCH_DISTANCE = 64
 PREFETCH_LINES = 8      # cache lines prefetched per row (longer rows: the stream prefetcher)
 VEC = 16                # floats per vector chunk
 PREFETCH_BYTES = 8192   # how far ahead the dense kernels prefetch the rows they stream
@@ -143,16 +151,24 @@ def _scratch(shape, dtype: str = "float32"):
     return T.alloc_buffer(shape, dtype, scope="global")
 
 
-def _prefetch_line(x, row, col, write: bool = False) -> None:
-    """Prefetch the cache line holding ``x[row, col]`` into all cache levels (``write``:
-    for writing, ``prefetchw``)."""
+def _prefetch_line(x, row, col, write: bool = False, locality: int = 3) -> None:
+    """Prefetch the cache line holding ``x[row, col]`` (``write``: for writing,
+    ``prefetchw``) into all cache levels, or with ``locality`` 2 into L2 and beyond."""
     addr = tirx.address_of(x[row, col])
     T.evaluate(tirx.call_llvm_intrin("void", "llvm.prefetch.p0", addr,
                                      tirx.const(int(write), "uint32"),
-                                     tirx.const(3, "uint32"), tirx.const(1, "uint32")))
+                                     tirx.const(locality, "uint32"), tirx.const(1, "uint32")))
 
 
-def _prefetch(x, row, width: int) -> None:
+def _gather_ahead(j, nnz, width: int):
+    """(edge index to prefetch for edge ``j``, locality) for gathered rows of ``width``
+    floats (``WIDE_ROW_LINES``)."""
+    if (width + VEC - 1) // VEC >= WIDE_ROW_LINES:
+        return tirx.min(j + WIDE_PREFETCH_DISTANCE, nnz - 1), 2
+    return tirx.min(j + PREFETCH_DISTANCE, nnz - 1), 3
+
+
+def _prefetch(x, row, width: int, locality: int = 3) -> None:
     """Prefetch the first lines of ``x[row, :width]``: one per 16 floats, and the line of
     its last value, for a row that does not start on a cache line spans one more (numpy
     aligns arrays to 16 bytes, and the kernels read the caller's features in place).
@@ -161,9 +177,9 @@ def _prefetch(x, row, width: int) -> None:
     128 floats unchanged."""
     lines = (width + VEC - 1) // VEC
     for q in range(min(lines, PREFETCH_LINES)):
-        _prefetch_line(x, row, q * VEC)
+        _prefetch_line(x, row, q * VEC, locality=locality)
     if lines <= PREFETCH_LINES and width > 1:
-        _prefetch_line(x, row, width - 1)
+        _prefetch_line(x, row, width - 1, locality=locality)
 
 
 def _prefetch_rows(x, first, rows: int, width: int, n, write: bool = False) -> None:
@@ -242,8 +258,8 @@ def csr_agg(reduce: str, H: int, C: int, weight: str, indirect: bool = False,
                 _features(F, lambda f: T.buffer_store(acc, init, at(f)))
                 with T.serial(indptr[i], indptr[i + 1]) as j:
                     IRBuilder.name("j", j)
-                    ahead = tirx.min(j + PREFETCH_DISTANCE, nnz - 1)
-                    _prefetch(x, indices[ahead], F)
+                    ahead, locality = _gather_ahead(j, nnz, F)
+                    _prefetch(x, indices[ahead], F, locality)
                     if eid is not None:  # CSC order reads CSR-ordered weights at random too
                         _prefetch(w, eid[ahead], 1)
                     src = indices[j]
