@@ -17,7 +17,6 @@ Verification after every pass is the pass context's ``verify_each`` (on by defau
 from __future__ import annotations
 
 import argparse
-import re
 import shlex
 import sys
 import time

@@ -174,6 +174,12 @@ def check_graph(g: GraphData) -> GraphData:
                              f"{np.shape(g.x)}")
         if g.x.shape[0] != n:
             raise InputError(f"{g.name}: x has {g.x.shape[0]} rows but the graph has {n} nodes")
+    _check_labels_and_masks(g, n)
+    return dataclasses.replace(g, **new) if new else g
+
+
+def _check_labels_and_masks(g: GraphData, n: int) -> None:
+    """``g``'s labels (if any) are ``n`` integers and its masks ``n`` booleans."""
     if g.y is not None:
         y = np.asarray(g.y)
         if y.shape != (n,) or y.dtype.kind not in "iu":
@@ -183,7 +189,6 @@ def check_graph(g: GraphData) -> GraphData:
         if v is not None and (np.shape(v) != (n,) or np.asarray(v).dtype != bool):
             raise InputError(f"{g.name}: {m} must be {n} booleans, got "
                              f"{np.asarray(v).dtype} {np.shape(v)}")
-    return dataclasses.replace(g, **new) if new else g
 
 
 def _load_npz(path: Path) -> dict:
@@ -239,20 +244,13 @@ def load_graph(spec: str | Path) -> GraphData:
     else:
         raise InputError(f"{name}: no node features (x) and no num_nodes: the node count is unknown")
     ei = check_edge_index(d["edge_index"], num_nodes, f"{name}: edge_index")
-    g = GraphData(name, num_nodes, ei, x)
+    g = GraphData(name, num_nodes, ei, x, y=d.get("y"), train_mask=d.get("train_mask"),
+                  val_mask=d.get("val_mask"), test_mask=d.get("test_mask"))
     if "edge_weight" in d:
         g.edge_weight = check_edge_values(d["edge_weight"], g.num_edges, f"{name}: edge_weight")
-    if "y" in d:
-        y = np.asarray(d["y"])
-        if y.shape[:1] != (num_nodes,) or y.dtype.kind not in "iu":
-            raise InputError(f"{name}: y must be {num_nodes} integer labels, got {y.dtype} {y.shape}")
-        g.y = y.astype(np.int64)
-    for m in ("train_mask", "val_mask", "test_mask"):
-        if m in d:
-            v = np.asarray(d[m])
-            if v.shape != (num_nodes,) or v.dtype != bool:
-                raise InputError(f"{name}: {m} must be {num_nodes} booleans, got {v.dtype} {v.shape}")
-            setattr(g, m, v)
+    _check_labels_and_masks(g, num_nodes)
+    if g.y is not None:
+        g.y = g.y.astype(np.int64)
     return g
 
 
