@@ -238,14 +238,16 @@ def test_matmul_widths(K, M):
                                      ("avx512", 128, 32), ("avx512", 32, 40),
                                      ("avx512", 130, 64), ("avx512", 500, 16),
                                      ("avx512", 16, 7), ("avx512", 40, 384),
-                                     ("avx512", 40, 128),
+                                     ("avx512", 40, 128), ("avx512", 260, 128),
                                      ("avx2", 128, 32), ("avx2", 128, 128), ("avx2", 500, 16),
                                      ("avx2", 16, 7), ("avx2", 128, 130), ("avx2", 40, 384),
-                                     ("avx2", 32, 32), ("avx2", 32, 40), ("avx2", 16, 16)])
+                                     ("avx2", 32, 32), ("avx2", 32, 40), ("avx2", 16, 16),
+                                     ("avx2", 5, 16)])
 def test_matmul_row_groups_of_each_tuning(tuning, K, M):
-    """The row-group matmul as each tuning table sizes it (group rows, prefetch distance),
-    compiled for this machine: bias and ReLU epilogue, row counts that leave the last group
-    short, smaller than one group, or empty; against float64."""
+    """The row-group matmul as each tuning table sizes it (group rows, column tiles, k
+    steps between prefetch shares: K below, a multiple of and past a multiple of
+    ``MM_SHARE_K``), compiled for this machine: bias and ReLU epilogue, row counts that
+    leave the last group short, smaller than one group, or empty; against float64."""
     import tvm
     from gcomp.codegen.cpu_kernels import _matmul_rows, matmul
     from gcomp.codegen.build import make_target

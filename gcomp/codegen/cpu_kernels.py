@@ -59,12 +59,18 @@ WIDE_ROW_LINES = 8
 WIDE_PREFETCH_DISTANCE = 64
 PREFETCH_LINES = 8      # cache lines prefetched per row (longer rows: the stream prefetcher)
 VEC = 16                # floats per vector chunk
-PREFETCH_BYTES = 8192   # how far ahead the dense kernels prefetch the rows they stream
+MM_AHEAD_BYTES = 2048   # how far ahead (bytes of x) the row-group matmul prefetches
+MM_SHARE_K = 8          # k steps of the row-group matmul between two shares of prefetches
 # rows per block of the weight-gradient product (x and y rows in L1).  AMD EPYC Zen 3,
 # arxiv-size rows, 2 threads, interleaved, with the next block's prefetches spread over
 # the tiles: 32 x 32 3.2 ms at 32 rows (3.5 at 64, 4.4 at 128), 40 x 32 4.9 (5.3, 5.4),
 # 128 x 32 11.7 (11.7 at 64, 15.1 at 96), 128 x 128 47.0 (59.3 at 64)
 TN_BLOCK = 32
+# rows of a tile between two shares of the next block's prefetches.  Intel Xeon, arxiv-size
+# rows read from memory, 2 threads, 15 interleaved calls (a share per tile before): 128 x
+# 32 6.7 -> 6.2 ms, 40 x 40 3.5 -> 3.3, 32 x 40 2.7 -> 2.4, 32 x 32 2.2 -> 2.0, 128 x 128
+# 18.2 either way; a share every 8 rows made 128 x 128 6% slower
+TN_SHARE_ROWS = 16
 # floats of row-group sums a matmul keeps in registers under the ``avx2`` tuning (16
 # registers of 8 floats; groups of at most 4 rows; 8 rows of at most 16 columns where x
 # rows hold 256 values or more).  AMD EPYC Zen 3, arxiv-size rows, 2 threads, interleaved runs:
@@ -182,26 +188,16 @@ def _prefetch(x, row, width: int, locality: int = 3) -> None:
         _prefetch_line(x, row, width - 1, locality=locality)
 
 
-def _prefetch_rows(x, first, rows: int, width: int, n, write: bool = False) -> None:
-    """Prefetch every line of rows ``first .. first + rows - 1`` of ``x`` (those past the
-    last row ``n - 1`` clamp to it).  The dense kernels stream rows in groups of a page or
-    so, and the hardware prefetcher stops at each page boundary: asking for the next group
-    while this one is multiplied keeps the memory busy (measured below)."""
-    with T.serial(0, rows) as r:
-        row = tirx.min(first + r, n - 1)
-        with T.serial(0, (width + VEC - 1) // VEC) as q:
-            _prefetch_line(x, row, q * VEC, write)
-
-
 def _prefetch_share(arrays, first, rows: int, n, share, shares: int) -> None:
     """Prefetch part ``share`` of ``shares`` of the lines of rows ``first .. first + rows -
-    1`` of each (array, width) in ``arrays`` (rows past ``n - 1`` clamp to it).  Called
-    once per share while the work before those rows runs, it spreads their prefetches
-    over that work: all of a block's lines asked for at once (``_prefetch_rows``) overran
-    the core's queue of outstanding misses and most were dropped (the weight gradient
-    128 x 32 on arxiv-size rows, AMD EPYC Zen 3: 21.1 -> 11.7 ms; 32 x 32 5.1 -> 3.2)."""
-    per_row = [(a, (w + VEC - 1) // VEC) for a, w in arrays]
-    row_lines = sum(lines for _, lines in per_row)
+    1`` of each (array, width[, write]) in ``arrays`` (rows past ``n - 1`` clamp to it;
+    ``write``: for writing).  Called once per share while the work before those rows
+    runs, it spreads their prefetches over that work: all of a block's lines asked for at
+    once overran the core's queue of outstanding misses and most were dropped (the weight
+    gradient 128 x 32 on arxiv-size rows, AMD EPYC Zen 3: 21.1 -> 11.7 ms; 32 x 32 5.1 ->
+    3.2; the row-group matmul below on the Intel Xeon)."""
+    per_row = [(a[0], (a[1] + VEC - 1) // VEC, len(a) > 2 and a[2]) for a in arrays]
+    row_lines = sum(lines for _, lines, _ in per_row)
     each = -(-rows * row_lines // shares)
     with T.serial(0, each) as u:
         line = share * each + u
@@ -209,9 +205,9 @@ def _prefetch_share(arrays, first, rows: int, n, share, shares: int) -> None:
         q = line % row_lines
         with _if(line < rows * row_lines):
             start = 0
-            for a, lines in per_row:
+            for a, lines, write in per_row:
                 with _if(tirx.all(start <= q, q < start + lines)):
-                    _prefetch_line(a, row, (q - start) * VEC)
+                    _prefetch_line(a, row, (q - start) * VEC, write)
                 start += lines
 
 
@@ -575,12 +571,15 @@ def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = (),
     """out[i, j] = epilogue(sum_k x[i, k] * w[k, j]), R rows at a time: each row of w
     loaded serves R rows of x, whose sums stay in registers (the row-at-a-time schedule
     loads a row of w per multiply-add).  Rows past n in the last group repeat row n - 1
-    and are not stored.  The rows of the group ``PREFETCH_BYTES`` ahead are prefetched
-    (128 -> 32 on arxiv-size x read from memory, Intel Xeon: 7.9 -> 6.4 ms; 40 -> 32 2.6
-    -> 2.1), and so are its output rows, for writing: a group stores its rows in a burst
-    after its sums, and each store missed waiting for its line (arxiv-size rows, Intel
-    Xeon, interleaved medians: 32 -> 32 2.74 -> 1.94 ms, 32 -> 40 3.69 -> 2.85, 40 -> 32
-    2.74 -> 2.12; 128 -> 32 unchanged; MKL takes 1.25 ms for 32 -> 32).
+    and are not stored.  The rows of the group ``MM_AHEAD_BYTES`` ahead (in x) are
+    prefetched, x's to read and the output's to write (a group stores its rows in a burst
+    after its sums, and each store missed waiting for its line), a share of their lines
+    every ``MM_SHARE_K`` steps of k (``_prefetch_share``).  Asked for all at once before a
+    group's sums, 8 KB ahead, they were partly dropped: arxiv-size rows read from memory,
+    Intel Xeon, 2 threads, 15 interleaved calls each after 256 MB of other writes, 128 ->
+    32 7.6-7.8 -> 6.0-6.2 ms (4.5 -> 4.5 in cache, MKL's GEMM rate; no prefetches 10.2),
+    32 -> 32 2.3 -> 2.0, 32 -> 40 2.4-2.5 -> 2.1-2.3, 40 -> 32 2.4 -> 2.1.  Prefetching
+    no output line took 32 -> 32 2.7 -> 1.9 ms before (MKL: 1.25).
     None (the generic kernel, scheduled) where that is faster.  With x stored as bfloat16
     on a CPU with AMX tiles: the tile kernel (``amx_kernels.py``), which names its
     arguments as this one does (the precision pass asks for them by name)."""
@@ -602,20 +601,29 @@ def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = (),
             bufs = dict(zip([s[0] for s in spec], _args(spec)))
             x, w, out = bufs["x"], bufs["w"], bufs["out"]
             extra = [bufs[f"e{k}"] for k in range(len(extras))]
-            ahead = max(1, PREFETCH_BYTES // (R * K * 4))  # groups
+            ahead = max(1, MM_AHEAD_BYTES // (R * K * 4))  # groups
+            KS = min(MM_SHARE_K, K)
+            shares = (M // TM) * (K // KS)
             with T.parallel(0, (n + R - 1) // R) as g:
                 acc = [_scratch((TM,)) for _ in range(R)]
-                _prefetch_rows(x, (g + ahead) * R, R, K, n)
-                _prefetch_rows(out, (g + ahead) * R, R, M, n, write=True)
+
+                def k_step(k, t):
+                    for r in range(R):
+                        a = bound(x[tirx.min(g * R + r, n - 1), k])
+                        _features(TM, lambda j, r=r, a=a: T.buffer_store(
+                            acc[r], acc[r][j] + a * w[k, t * TM + j], [j]))
                 with T.serial(0, M // TM) as t:
                     for r in range(R):
                         _features(TM, lambda j, r=r: T.buffer_store(acc[r], tirx.const(0.0, f32),
                                                                     [j]))
-                    with T.serial(0, K) as k:
-                        for r in range(R):
-                            a = bound(x[tirx.min(g * R + r, n - 1), k])
-                            _features(TM, lambda j, r=r, a=a: T.buffer_store(
-                                acc[r], acc[r][j] + a * w[k, t * TM + j], [j]))
+                    with T.serial(0, K // KS) as s:
+                        _prefetch_share([(x, K), (out, M, True)], (g + ahead) * R, R, n,
+                                        t * (K // KS) + s, shares)
+                        with T.serial(0, KS) as k:
+                            k_step(s * KS + k, t)
+                    if K % KS:
+                        with T.serial(K - K % KS, K) as k:
+                            k_step(k, t)
                     for r in range(R):
                         i = g * R + r
                         with _if(i < n):
@@ -659,9 +667,10 @@ def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = 16, amx: bool = F
     read from memory once, not once per tile: the scheduled generic kernel swept each
     range's rows once per tile (128 x 32 on arxiv-synth: 14.6 ms).  The next block's rows
     are prefetched while one is added, each tile asking for its share of their lines
-    (``_prefetch_share``).  With x or y stored as bfloat16 on a CPU with AMX tiles: the
-    tile kernel (``amx_kernels.py``), which has no ``sum_row``.  ``sum_row``: a last row
-    of y's column sums (a bias gradient), added while the block is in L1."""
+    every ``TN_SHARE_ROWS`` rows (``_prefetch_share``).  With x or y stored as bfloat16 on
+    a CPU with AMX tiles: the tile kernel (``amx_kernels.py``), which has no ``sum_row``.
+    ``sum_row``: a last row of y's column sums (a bias gradient), added while the block is
+    in L1."""
     if gpu:
         return None
     tile = _matmul_tn_tile(K, M, tuning)
@@ -688,19 +697,27 @@ def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = 16, amx: bool = F
                     """Add rows first .. first + rows - 1 into the partial sum, tile by tile,
                     prefetching the ``TN_BLOCK`` rows from ``ahead`` on."""
                     with T.grid(K // TA, M // TB) as (a0, b0):
-                        if ahead is not None:
-                            _prefetch_share([(x, K), (y, M)], ahead, TN_BLOCK, n,
-                                            a0 * (M // TB) + b0, (K // TA) * (M // TB))
                         acc = [_scratch((TB,)) for _ in range(TA)]
                         for t in range(TA):
                             _features(TB, lambda j, t=t: T.buffer_store(
                                 acc[t], part[p, a0 * TA + t, b0 * TB + j], [j]))
-                        with T.serial(0, rows) as r:
-                            i = first + r
+
+                        def add_row(i):
                             for t in range(TA):
                                 v = bound(x[i, a0 * TA + t])
                                 _features(TB, lambda j, t=t, v=v, i=i: T.buffer_store(
                                     acc[t], acc[t][j] + v * y[i, b0 * TB + j], [j]))
+                        if ahead is None:
+                            with T.serial(0, rows) as r:
+                                add_row(first + r)
+                        else:
+                            per = TN_BLOCK // TN_SHARE_ROWS
+                            with T.serial(0, per) as c:
+                                _prefetch_share([(x, K), (y, M)], ahead, TN_BLOCK, n,
+                                                (a0 * (M // TB) + b0) * per + c,
+                                                (K // TA) * (M // TB) * per)
+                                with T.serial(0, TN_SHARE_ROWS) as r:
+                                    add_row(first + c * TN_SHARE_ROWS + r)
                         for t in range(TA):
                             _features(TB, lambda j, t=t: T.buffer_store(
                                 part, acc[t][j], [p, a0 * TA + t, b0 * TB + j]))
