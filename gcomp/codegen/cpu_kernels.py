@@ -575,11 +575,12 @@ def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = (),
     prefetched, x's to read and the output's to write (a group stores its rows in a burst
     after its sums, and each store missed waiting for its line), a share of their lines
     every ``MM_SHARE_K`` steps of k (``_prefetch_share``).  Asked for all at once before a
-    group's sums, 8 KB ahead, they were partly dropped: arxiv-size rows read from memory,
-    Intel Xeon, 2 threads, 15 interleaved calls each after 256 MB of other writes, 128 ->
-    32 7.6-7.8 -> 6.0-6.2 ms (4.5 -> 4.5 in cache, MKL's GEMM rate; no prefetches 10.2),
-    32 -> 32 2.3 -> 2.0, 32 -> 40 2.4-2.5 -> 2.1-2.3, 40 -> 32 2.4 -> 2.1.  Prefetching
-    no output line took 32 -> 32 2.7 -> 1.9 ms before (MKL: 1.25).
+    group's sums, 8 KB ahead, they were partly dropped: arxiv-size rows, Intel Xeon, 2
+    threads, 15 interleaved calls each after 256 MB of other writes, 128 -> 32 7.2 -> 5.8
+    ms (read back to back 6.1 -> 4.4, MKL's GEMM rate), 128 -> 128 24.0 -> 17.5, 128 ->
+    384 66 -> 50, 32 -> 32 2.2 -> 2.1, 32 -> 40 and 40 -> 32 4% less; no prefetches: 10.2
+    for 128 -> 32.  Training steps there took as long as before (a step's inputs stay in
+    that VM's 480 MB L3).  Prefetching no output line took 32 -> 32 2.7 -> 1.9 ms before.
     None (the generic kernel, scheduled) where that is faster.  With x stored as bfloat16
     on a CPU with AMX tiles: the tile kernel (``amx_kernels.py``), which names its
     arguments as this one does (the precision pass asks for them by name)."""
