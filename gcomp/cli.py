@@ -128,12 +128,13 @@ def _pass_context(args):
         if name not in PASSES:
             raise GcompError(f"unknown pass {name!r}; passes: {', '.join(sorted(PASSES))}")
     instruments = []
+    # one printing instrument, so that a pass two flags name is printed once
     if args.print_after_all:
         instruments.append(PrintAfter(stream=sys.stdout))
+    elif args.print_after_change:
+        instruments.append(PrintAfterChange(stream=sys.stdout, always=set(args.print_after or ())))
     elif args.print_after:
         instruments.append(PrintAfter(set(args.print_after), stream=sys.stdout))
-    if args.print_after_change:
-        instruments.append(PrintAfterChange(stream=sys.stdout))
     if args.dump_ir:
         instruments.append(DumpIR(args.dump_ir))
     if args.reproducer:

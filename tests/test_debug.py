@@ -161,6 +161,18 @@ def test_cli_compile_debug_flags(tmp_path, capsys):
     assert main(["compile", "gcn", "--in", "6", "--out", "3", "-o", str(out),
                  "--print-after-change", "--train"]) == 0
     assert "after autodiff (changed)" in capsys.readouterr().out
+    # both flags: the named pass once (changed or not), the other changed passes once each
+    for named, state in (("fuse_aggregate", "changed"), ("eval_mode", "unchanged")):
+        assert main(["compile", "gcn", "--in", "6", "--out", "3", "-o", str(out),
+                     "--print-after", named, "--print-after-change"]) == 0
+        text = capsys.readouterr().out
+        assert text.count(f"// ----- IR after {named} ") == 1
+        assert f"// ----- IR after {named} ({state})" in text
+        assert text.count("// ----- IR after cse ") == 1
+        assert "after hoist_graph_static" not in text
+    assert main(["compile", "gcn", "--in", "6", "--out", "3", "-o", str(out),
+                 "--print-after-all", "--print-after-change"]) == 0
+    assert capsys.readouterr().out.count("// ----- IR after") == len(default_pipeline().pipeline)
     assert main(["explain", "gcn", "--train"]) == 0
     assert "once per feed" in capsys.readouterr().out
     from gcomp.runtime.artifact import load

@@ -5,7 +5,8 @@
     art = compile_model(model, ctx=ctx)
 
 * ``PrintAfter(passes=None)``: the IR after every pass (or only the named ones).
-* ``PrintAfterChange()``: the IR after each pass that changed it (printed text compared).
+* ``PrintAfterChange(always=None)``: the IR after each pass that changed it (printed text
+  compared), and after the passes in ``always`` whether or not they did.
 * ``DumpIR(dir)``: numbered files ``00_input.ir``, ``01_canonicalize.ir``, ...
 * ``PassTiming()``: wall time per pass; ``render()`` gives the table.
 * ``Reproducer(dir)``: when a pass fails, writes its input IR with a header holding the
@@ -45,8 +46,12 @@ class PrintAfter(Instrument):
 
 
 class PrintAfterChange(Instrument):
-    def __init__(self, stream=None):
+    """``always``: passes printed even when unchanged, so that ``--print-after X
+    --print-after-change`` prints X's IR once, not once per instrument."""
+
+    def __init__(self, stream=None, always: set[str] | None = None):
         self.stream = stream
+        self.always = set(always or ())
         self._before: str | None = None
 
     def run_before_pass(self, p: Pass, graph: Graph) -> None:
@@ -54,9 +59,11 @@ class PrintAfterChange(Instrument):
 
     def run_after_pass(self, p: Pass, graph: Graph, changed: bool) -> None:
         text = print_graph(graph)
-        if text != self._before:
+        changed = text != self._before
+        if changed or p.name in self.always:
             out = self.stream or sys.stderr
-            out.write(f"// ----- IR after {p.name} (changed) -----\n{text}")
+            out.write(f"// ----- IR after {p.name} ({'changed' if changed else 'unchanged'})"
+                      f" -----\n{text}")
 
 
 class DumpIR(Instrument):
