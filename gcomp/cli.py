@@ -317,9 +317,12 @@ def _train(args, comm=None) -> int:
         inputs = [Path(p) for p in (args.model, args.graph, args.parts) if p and Path(p).exists()]
         _check_output_path(Path(args.checkpoint), inputs, "checkpoint")
         writable_dir(args.checkpoint, "checkpoint")
-    if args.seed is None:  # a resumed run draws the split and dropout of the one it resumes
+    checkpoint = None
+    if args.resume:  # read once, before compiling: a bad checkpoint fails early
         from gcomp.runtime.trainer import read_checkpoint
-        args.seed = int(read_checkpoint(args.resume)[1]["seed"]) if args.resume else 0
+        checkpoint = read_checkpoint(args.resume)
+    if args.seed is None:  # a resumed run draws the split and dropout of the one it resumes
+        args.seed = int(checkpoint[1]["seed"]) if checkpoint else 0
     if comm is not None and args.format not in ("auto", "csr"):
         raise GcompError(f"--format {args.format}: distributed training aggregates in CSR "
                          f"(a shard's rows gather halo rows, which no square layout holds)")
@@ -364,7 +367,7 @@ def _train(args, comm=None) -> int:
         trainer = DistributedTrainer(art, graph, seed=args.seed, comm=comm, parts=parts,
                                      method=args.partition, hosts=args.hosts)
     if args.resume:
-        trainer.load(args.resume)
+        trainer.load(args.resume, checkpoint)
     progress = _Progress(args.epochs, sys.stderr.isatty() and not args.json and lead)
     times, loss = [], float("nan")
     best = {"best_val_acc": None, "best_test_acc": None, "best_epoch": None}

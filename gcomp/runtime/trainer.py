@@ -188,10 +188,11 @@ class Trainer:
         arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
         return write_atomic(path, lambda f: np.savez(f, **arrays))
 
-    def load(self, path: str | Path) -> None:
+    def load(self, path: str | Path, checkpoint: tuple[dict, dict] | None = None) -> None:
         """Resume from a checkpoint written by ``save`` for the same compiled model, with
-        the same split: on a graph without masks, a trainer of the checkpoint's seed."""
-        arrays, meta = read_checkpoint(path)
+        the same split: on a graph without masks, a trainer of the checkpoint's seed.
+        ``checkpoint``: what ``read_checkpoint(path)`` returned, if the caller read it."""
+        arrays, meta = checkpoint if checkpoint is not None else read_checkpoint(path)
         if meta.get("artifact") != self._fingerprint():
             raise InputError(f"checkpoint {str(path)!r} belongs to a different compiled model")
         if int(meta["seed"]) != self.seed and self.graph.train_mask is None:
