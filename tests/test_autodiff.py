@@ -114,6 +114,14 @@ OPS = {
     "aggregate_max": lambda h, g, p: g.aggregate(h, "max"),
     "aggregate_weighted": lambda h, g, p: g.aggregate(h, "sum", weight=g.gather(h.sum(-1), "src").sigmoid()),
     "aggregate_weighted_mean": lambda h, g, p: g.aggregate(h, "mean", weight=g.gather(h.sum(-1), "dst").tanh()),
+    # weighted max: the backward rebuilds the messages w * x[src] to find each winner
+    "aggregate_weighted_max": lambda h, g, p: g.aggregate(
+        h, "max", weight=g.gather(h.sum(-1), "src").sigmoid()),
+    "aggregate_weighted_max_heads": lambda h, g, p: g.aggregate(
+        h.reshape(-1, 2, 3), "max",
+        weight=g.gather(h.reshape(-1, 2, 3).sum(-1), "dst").tanh()).reshape(-1, 6),
+    "scatter_gated_max": lambda h, g, p: g.scatter(  # fuse_aggregate makes it a weighted max
+        g.gather(h.sum(-1), "dst").tanh().unsqueeze(-1) * g.gather(h, "src"), "max"),
     "scatter_messages": lambda h, g, p: g.scatter((g.gather(h, "src") - g.gather(h, "dst")).tanh(), "sum"),
     "scatter_mean": lambda h, g, p: g.scatter(g.gather(h, "src") * g.gather(h, "dst"), "mean"),
     "scatter_max": lambda h, g, p: g.scatter(g.gather(h, "src") + g.gather(h, "dst"), "max"),

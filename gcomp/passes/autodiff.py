@@ -215,9 +215,20 @@ def _vjp(b: _Builder, n: Node, dy: Node, needs) -> list[tuple[int, Node]]:
         w = ins[2] if len(ins) > 2 else None
         if a["flow"] != "in":
             raise IRError(f"%{n.name}: no gradient for aggregation over out-edges")
-        if a["reduce"] == "max":
-            if w is not None:
-                raise IRError(f"%{n.name}: the gradient of weighted max aggregation is not supported")
+        if a["reduce"] == "max" and w is not None:
+            # which edge wins depends on w * x[src]: the backward rebuilds those messages
+            # (an E x F tensor the fused forward does not have) and routes dy through them
+            wb = b.reshape(w, tuple(w.ty.shape) + (1,) * (x.ty.rank - w.ty.rank), h)
+            xs = b(Op.GATHER, [g, x], h, side="src")
+            m = b(Op.MUL, [wb, xs], h)
+            dm = b(Op.SCATTER_MAX_GRAD, [g, dy, b(Op.SCATTER_ARGMAX, [g, m], h)], h)
+            if want(1):
+                out.append((1, b(Op.SCATTER, [g, b(Op.MUL, [wb, dm], h)], h, reduce="sum",
+                                 side="src")))
+            if want(2):
+                dw = b.unbroadcast(b(Op.MUL, [dm, xs], h), wb.ty, h)
+                out.append((2, b.reshape(dw, tuple(w.ty.shape), h)))
+        elif a["reduce"] == "max":
             am = b(Op.AGGREGATE_ARGMAX, [g, x], h)
             out.append((1, b(Op.AGGREGATE_MAX_GRAD, [g, dy, am], h)))
         else:
