@@ -208,19 +208,28 @@ def cmd_opt(args) -> int:
     """Run passes on an IR file (a reproducer or a printed graph) and print the result."""
     from pathlib import Path as _P
 
-    from gcomp.debug.instruments import parse_pipeline, replay
+    from gcomp.debug.instruments import parse_pipeline, read_ir, replay
     from gcomp.ir.parser import parse_graph
     from gcomp.ir.printer import print_graph
     from gcomp.passes import PassManager
 
     path = _P(args.file)
-    if not path.exists():
-        raise GcompError(f"IR file {args.file!r} does not exist")
+    text = read_ir(path)
+    if args.passes is None:  # the header's passes and pass context: no flag may change them
+        given = [flag for flag, on in (("--disable-pass", args.disable_pass),
+                                       ("-t", args.target != "llvm"),
+                                       ("--prefer", args.prefer != "speed"),
+                                       ("--deterministic", args.deterministic),
+                                       ("--tile-products", args.tile_products)) if on]
+        if given:
+            raise GcompError(f"{', '.join(given)} with a reproducer's header: the header names "
+                             f"the passes and the context they failed in; give --passes (and "
+                             f"these flags) to run other passes or another context")
     ctx, timing = _pass_context(args)
-    if args.passes is None:  # the header's passes and pass context
+    if args.passes is None:
         graph = replay(path, instruments=ctx.instruments)
     else:
-        graph = PassManager(parse_pipeline(args.passes))(parse_graph(path.read_text()), ctx)
+        graph = PassManager(parse_pipeline(args.passes))(parse_graph(text), ctx)
     if timing is not None:
         print(timing.render(), file=sys.stderr)
     print(print_graph(graph, show_meta=args.show_meta), end="")
@@ -608,7 +617,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="comma-separated pass names (default: the reproducer header's, run "
                         "in the pass context its header names)")
     o.add_argument("--show-meta", action="store_true", help="print analysis results too")
-    o.add_argument("-t", "--target", default="llvm")
+    o.add_argument("-t", "--target", default="llvm", choices=["llvm", "cuda"])
     o.add_argument("--tile-products", action="store_true",
                    help="bfloat16 products run on AMX tiles (what compile_model sets for "
                         "--precision bf16 on a CPU with them)")

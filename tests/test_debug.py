@@ -135,6 +135,48 @@ def test_reproducer_replays_in_the_pass_context_of_the_failure(tmp_path, monkeyp
     assert len(Picky.seen) == 3 and len(set(Picky.seen)) == 1  # the same context each time
 
 
+def test_unusable_directories_and_ir_files_are_named(tmp_path, monkeypatch, capsys):
+    """--dump-ir / --reproducer at a file or under a missing root, gcomp opt on a directory
+    or an artifact: one error naming the path, before any pass runs.  A reproducer that
+    cannot be written when a pass fails leaves the pass's error to be raised."""
+    taken = tmp_path / "taken.txt"
+    taken.write_text("mine")
+    out = tmp_path / "m.gcomp"
+    for flag in ("--dump-ir", "--reproducer"):
+        assert main(["compile", "gcn", "--in", "6", "--out", "3", "-o", str(out),
+                     flag, str(taken)]) == 2
+        assert f"cannot use '{taken}' as the" in capsys.readouterr().err
+    assert taken.read_text() == "mine" and not out.exists()
+    assert main(["compile", "gcn", "--in", "6", "--out", "3", "-o", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["opt", str(out), "--passes", "cse"]) == 2
+    assert "is not IR text" in capsys.readouterr().err
+    assert main(["opt", str(tmp_path), "--passes", "cse"]) == 2
+    assert "is a directory, not an IR file" in capsys.readouterr().err
+    with pytest.raises(GcompError, match="does not exist"):
+        replay(tmp_path / "none.ir")
+    rep = Reproducer(tmp_path / "repro")
+    (tmp_path / "repro").rmdir()
+    (tmp_path / "repro").write_text("in the way")
+    monkeypatch.setitem(PASSES, "breaks", Breaks)
+    with pytest.raises(IRError, match="breaks"):
+        PassManager([Breaks()])(gcn().graph.copy(), PassContext(instruments=[rep]))
+    assert rep.path is None and "no reproducer written" in capsys.readouterr().err
+
+
+def test_opt_refuses_flags_a_reproducer_header_overrides(tmp_path, monkeypatch, capsys):
+    rep = Reproducer(tmp_path)
+    monkeypatch.setitem(PASSES, "breaks", Breaks)
+    with pytest.raises(IRError):
+        PassManager([Canonicalize(), Breaks()])(gcn().graph.copy(), PassContext(instruments=[rep]))
+    for flags in (["--disable-pass", "breaks"], ["-t", "cuda"], ["--deterministic"]):
+        assert main(["opt", str(rep.path), *flags]) == 2
+        assert f"{flags[0]} with a reproducer's header" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["opt", str(rep.path), "--passes", "cse", "-t", "bogus"])
+    assert "invalid choice: 'bogus'" in capsys.readouterr().err
+
+
 def test_malformed_reproducer_header_is_named(tmp_path):
     path = tmp_path / "repro.ir"
     path.write_text("# gcomp reproducer: gcomp opt x.ir --passes dce --prefer fastest\n"

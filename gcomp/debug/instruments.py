@@ -66,10 +66,36 @@ class PrintAfterChange(Instrument):
                       f" -----\n{text}")
 
 
+def _make_dir(directory: str | Path, what: str) -> Path:
+    """``directory``, created if missing; a GcompError naming it where that fails (a file
+    of that name, no permission), before any pass runs."""
+    d = Path(directory)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise GcompError(f"cannot use {str(d)!r} as the {what} directory: "
+                         f"{e.strerror or e}") from None
+    return d
+
+
+def read_ir(path: str | Path) -> str:
+    """The text of IR file ``path``; a GcompError naming it where it is not readable text."""
+    try:
+        return Path(path).read_text()
+    except FileNotFoundError:
+        raise GcompError(f"IR file {str(path)!r} does not exist") from None
+    except IsADirectoryError:
+        raise GcompError(f"{str(path)!r} is a directory, not an IR file") from None
+    except UnicodeDecodeError:
+        raise GcompError(f"{str(path)!r} is not IR text (gcomp's printed form; an artifact "
+                         f"is inspected with gcomp info)") from None
+    except OSError as e:
+        raise GcompError(f"cannot read IR file {str(path)!r}: {e.strerror or e}") from None
+
+
 class DumpIR(Instrument):
     def __init__(self, directory: str | Path, prefix: str = ""):
-        self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir = _make_dir(directory, "IR dump")
         self.prefix = prefix
         self.index = 0
 
@@ -111,18 +137,23 @@ class Reproducer(Instrument):
     and the pass context to replay it in (``gcomp opt FILE`` runs that header)."""
 
     def __init__(self, directory: str | Path):
-        self.dir = Path(directory)
+        self.dir = _make_dir(directory, "reproducer")
         self.path: Path | None = None
 
     def run_on_failure(self, p: Pass, graph_before: Graph, error: BaseException,
                        pipeline: list[str], ctx: PassContext) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.dir / f"repro_{p.name}.ir"
-        header = " ".join([REPRO_HEADER.format(file=shlex.quote(str(self.path)), passes=p.name),
+        path = self.dir / f"repro_{p.name}.ir"
+        header = " ".join([REPRO_HEADER.format(file=shlex.quote(str(path)), passes=p.name),
                            *context_flags(ctx)])
         msg = str(error).splitlines()[0] if str(error) else type(error).__name__
-        self.path.write_text(f"{header}\n# pipeline before it: {','.join(pipeline[:-1])}\n"
-                             f"# error: {msg}\n{print_graph(graph_before)}")
+        try:
+            path.write_text(f"{header}\n# pipeline before it: {','.join(pipeline[:-1])}\n"
+                            f"# error: {msg}\n{print_graph(graph_before)}")
+        except OSError as e:  # the pass's error, raised next, is what matters: not replaced
+            print(f"gcomp: warning: no reproducer written to {str(path)!r}: "
+                  f"{e.strerror or e}", file=sys.stderr)
+            return
+        self.path = path
 
 
 def parse_pipeline(text: str) -> list[Pass]:
@@ -180,7 +211,7 @@ def replay(path: str | Path, passes: str | None = None, instruments=()):
     """Parse an IR file (e.g. a reproducer) and run ``passes`` on it (default: its header's,
     in the pass context the header names), observed by ``instruments``."""
     from gcomp.passes import PassManager
-    text = Path(path).read_text()
+    text = read_ir(path)
     if passes is None:
         passes, ctx = _header(Path(path), text, instruments)
     else:
