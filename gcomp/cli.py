@@ -129,12 +129,14 @@ def _pass_context(args):
             raise GcompError(f"unknown pass {name!r}; passes: {', '.join(sorted(PASSES))}")
     instruments = []
     # one printing instrument, so that a pass two flags name is printed once
+    meta = args.show_meta
     if args.print_after_all:
-        instruments.append(PrintAfter(stream=sys.stdout))
+        instruments.append(PrintAfter(stream=sys.stdout, show_meta=meta))
     elif args.print_after_change:
-        instruments.append(PrintAfterChange(stream=sys.stdout, always=set(args.print_after or ())))
+        instruments.append(PrintAfterChange(stream=sys.stdout, always=set(args.print_after or ()),
+                                            show_meta=meta))
     elif args.print_after:
-        instruments.append(PrintAfter(set(args.print_after), stream=sys.stdout))
+        instruments.append(PrintAfter(set(args.print_after), stream=sys.stdout, show_meta=meta))
     if args.dump_ir:
         instruments.append(DumpIR(args.dump_ir))
     if args.reproducer:
@@ -153,7 +155,11 @@ def _pass_flags(p) -> None:
     p.add_argument("--print-after", action="append", metavar="PASS",
                    help="print the IR after PASS (repeatable)")
     p.add_argument("--print-after-change", action="store_true",
-                   help="print the IR after each pass that changed it")
+                   help="print the IR after each pass that changed it (its annotations "
+                        "included)")
+    p.add_argument("--show-meta", action="store_true",
+                   help="print the passes' annotations with the IR (fusion groups, phases, "
+                        "hoisted values)")
     p.add_argument("--disable-pass", action="append", metavar="PASS", help="skip PASS (repeatable)")
     p.add_argument("--dump-ir", metavar="DIR", help="write numbered IR files after every pass")
     p.add_argument("--timing", action="store_true", help="print a per-pass timing table")
@@ -616,7 +622,6 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--passes", default=None,
                    help="comma-separated pass names (default: the reproducer header's, run "
                         "in the pass context its header names)")
-    o.add_argument("--show-meta", action="store_true", help="print analysis results too")
     o.add_argument("-t", "--target", default="llvm", choices=["llvm", "cuda"])
     o.add_argument("--tile-products", action="store_true",
                    help="bfloat16 products run on AMX tiles (what compile_model sets for "

@@ -37,7 +37,13 @@ def test_print_after_change_skips_unchanged_passes():
     text = out.getvalue()
     assert "after fuse_aggregate (changed)" in text and "after cse (changed)" in text
     assert "after eval_mode" not in text  # no dropout: nothing changed
-    assert "after hoist_graph_static" not in text  # analysis only
+    assert "after hoist_graph_static (changed)" in text  # analysis only: annotations changed
+    assert "after dce" not in text
+    assert "phase=" not in text  # annotations compared, printed with show_meta only
+    out = io.StringIO()
+    default_pipeline()(gcn().graph.copy(),
+                       PassContext(instruments=[PrintAfterChange(out, show_meta=True)]))
+    assert "phase=" in out.getvalue()
 
 
 def test_dump_ir_numbered_files_parse(tmp_path):
@@ -211,7 +217,7 @@ def test_cli_compile_debug_flags(tmp_path, capsys):
         assert text.count(f"// ----- IR after {named} ") == 1
         assert f"// ----- IR after {named} ({state})" in text
         assert text.count("// ----- IR after cse ") == 1
-        assert "after hoist_graph_static" not in text
+        assert "after dce" not in text
     assert main(["compile", "gcn", "--in", "6", "--out", "3", "-o", str(out),
                  "--print-after-all", "--print-after-change"]) == 0
     assert capsys.readouterr().out.count("// ----- IR after") == len(default_pipeline().pipeline)

@@ -6,7 +6,9 @@
 
 * ``PrintAfter(passes=None)``: the IR after every pass (or only the named ones).
 * ``PrintAfterChange(always=None)``: the IR after each pass that changed it (printed text
-  compared), and after the passes in ``always`` whether or not they did.
+  and annotations compared: an analysis that only annotates counts), and after the passes
+  in ``always`` whether or not they did.
+Both take ``show_meta=True`` to print the annotations (fusion groups, phases, hoisting).
 * ``DumpIR(dir)``: numbered files ``00_input.ir``, ``01_canonicalize.ir``, ...
 * ``PassTiming()``: wall time per pass; ``render()`` gives the table.
 * ``Reproducer(dir)``: when a pass fails, writes its input IR with a header holding the
@@ -49,21 +51,22 @@ class PrintAfterChange(Instrument):
     """``always``: passes printed even when unchanged, so that ``--print-after X
     --print-after-change`` prints X's IR once, not once per instrument."""
 
-    def __init__(self, stream=None, always: set[str] | None = None):
+    def __init__(self, stream=None, always: set[str] | None = None, show_meta: bool = False):
         self.stream = stream
         self.always = set(always or ())
+        self.show_meta = show_meta
         self._before: str | None = None
 
     def run_before_pass(self, p: Pass, graph: Graph) -> None:
-        self._before = print_graph(graph)
+        self._before = print_graph(graph, show_meta=True)
 
     def run_after_pass(self, p: Pass, graph: Graph, changed: bool) -> None:
-        text = print_graph(graph)
+        text = print_graph(graph, show_meta=True)
         changed = text != self._before
         if changed or p.name in self.always:
             out = self.stream or sys.stderr
             out.write(f"// ----- IR after {p.name} ({'changed' if changed else 'unchanged'})"
-                      f" -----\n{text}")
+                      f" -----\n{text if self.show_meta else print_graph(graph)}")
 
 
 def _make_dir(directory: str | Path, what: str) -> Path:
