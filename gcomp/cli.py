@@ -328,6 +328,17 @@ def _train(args, comm=None) -> int:
 
     if args.epochs < 0:
         raise GcompError("--epochs must be >= 0")
+    if args.save_every < 0 or (args.save_every and not args.checkpoint):
+        raise GcompError("--save-every K writes the --checkpoint every K epochs: give a "
+                         "--checkpoint and K >= 1 (0: only at the end)")
+    if str(args.model).endswith(".gcomp"):  # what the artifact fixed cannot change here
+        defaults = vars(_parser().parse_args(["train", args.model, "--graph", args.graph]))
+        fixed = [flag for flag, dest in _COMPILE_FLAGS if getattr(args, dest) != defaults[dest]]
+        if fixed:
+            raise GcompError(f"{', '.join(fixed)}: {args.model!r} is compiled; its model, optimizer "
+                             f"and precision were fixed then (gcomp info shows them): compile "
+                             f"again with these flags, or train a bundled model or .onnx file "
+                             f"with them")
     if args.checkpoint:  # before training: a result that cannot be written is lost
         inputs = [Path(p) for p in (args.model, args.graph, args.parts) if p and Path(p).exists()]
         _check_output_path(Path(args.checkpoint), inputs, "checkpoint")
@@ -378,7 +389,12 @@ def _train(args, comm=None) -> int:
             try:
                 parts = np.load(args.parts, allow_pickle=False)
             except (OSError, ValueError) as e:
-                raise GcompError(f"cannot read the partition {args.parts!r}: {e}") from None
+                raise GcompError(f"cannot read the partition {args.parts!r} (a .npy array of "
+                                 f"one rank per node, gcomp partition --out): {e}") from None
+            if not isinstance(parts, np.ndarray):  # an .npz archive
+                parts.close()
+                raise GcompError(f"the partition {args.parts!r} is an .npz archive; give a .npy "
+                                 f"array of one rank per node (gcomp partition --out)")
         trainer = DistributedTrainer(art, graph, seed=args.seed, comm=comm, parts=parts,
                                      method=args.partition, hosts=args.hosts)
     if args.resume:
@@ -416,7 +432,9 @@ def _train(args, comm=None) -> int:
         "planned_mb": trainer._binding.memory["total_bytes"] / 2**20,
         "step": trainer.step_count,
         "node_order": trainer.node_order,
-        "formats": {k: v["chosen"] for k, v in trainer._binding.formats.items()},
+        # formats chosen at bind time, and those fixed at compile time (--graph)
+        "formats": {**art.train_plan.specialized.get("formats", {}),
+                    **{k: v["chosen"] for k, v in trainer._binding.formats.items()}},
         **(best if args.best_val else {}),
     }
     if comm is not None:
@@ -547,13 +565,24 @@ def _reorder_flag(p) -> None:
                    help="adjacency format of the aggregations (auto: chosen by the cost model)")
 
 
+def _seed(text: str) -> int:
+    """A seed: numpy's generators take non-negative integers."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative integer")
+    return value
+
+
 def _model_flags(p) -> None:
     p.add_argument("--in", dest="in_channels", type=int, default=1433, help="input features")
     p.add_argument("--hidden", type=int, default=16)
     p.add_argument("--out", dest="out_channels", type=int, default=7, help="output features")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4, help="attention heads (gat)")
-    p.add_argument("--seed", type=int, default=0, help="parameter initialization seed")
+    p.add_argument("--seed", type=_seed, default=0, help="parameter initialization seed")
     p.add_argument("--edge-weight", action="store_true", help="gcn: take edge weights")
 
 
@@ -568,6 +597,15 @@ def _precision_flag(p) -> None:
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
                    help="bf16: store node-sized activations in bfloat16, compute in float32 "
                         "(weights, optimizer state, inputs and outputs stay float32)")
+
+
+# gcomp train's flags that only compiling MODEL uses (a .gcomp artifact fixed them)
+_COMPILE_FLAGS = (("--optimizer", "optimizer"), ("--lr", "lr"), ("--weight-decay", "weight_decay"),
+                  ("--momentum", "momentum"), ("--dropout", "dropout"), ("--layers", "layers"),
+                  ("--hidden", "hidden"), ("--heads", "heads"), ("--precision", "precision"),
+                  ("-t", "target"), ("--arch", "arch"), ("--features-input", "features_input"),
+                  ("--edge-index-input", "edge_index_input"),
+                  ("--edge-weight-input", "edge_weight_input"))
 
 
 def _training_flags(p) -> None:
@@ -642,7 +680,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--layers", type=int, default=2)
     t.add_argument("--hidden", type=int, default=16)
     t.add_argument("--heads", type=int, default=4, help="attention heads (gat)")
-    t.add_argument("--seed", type=int, default=None,
+    t.add_argument("--seed", type=_seed, default=None,
                    help="initialization, split and dropout seed (default 0; with --resume, "
                         "the checkpoint's)")
     t.add_argument("--normalize-features", action="store_true",

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -257,6 +258,56 @@ def test_bad_partition_file_is_a_clear_error(artifacts, tmp_path):
                     "--epochs", "2", "--parts", str(bad)], timeout=120)
     assert r.returncode == 2
     assert "one part per node" in r.stderr
+
+
+@needs_mpi
+def test_partition_npz_and_bad_timeout_are_clear_errors(artifacts, tmp_path):
+    _, paths = artifacts
+    archive = tmp_path / "parts.npz"
+    np.savez(archive, parts=np.zeros(2708, np.int32))
+    train = [sys.executable, "-m", "gcomp.cli", "train", paths[0], "--graph", "cora",
+             "--epochs", "2"]
+    r = _mpirun(2, train + ["--parts", str(archive)], timeout=120)
+    assert r.returncode == 2 and "is an .npz archive; give a .npy" in r.stderr
+    for bad in ("abc", "-1", "0"):
+        r = _mpirun(2, train, timeout=120, env={"GCOMP_DIST_TIMEOUT": bad})
+        assert r.returncode == 2 and f"GCOMP_DIST_TIMEOUT='{bad}'" in r.stderr, r.stderr
+
+
+@needs_mpi
+def test_python_api_ranks_fail_together_when_rank_0_cannot_partition(artifacts, tmp_path):
+    """DistributedTrainer on 3 nodes over 4 ranks: every rank raises rank 0's reason at
+    once (the others waited for its partition until the timeout)."""
+    _, paths = artifacts
+    script = tmp_path / "tiny.py"
+    script.write_text(f"""
+import numpy as np
+from gcomp.distributed.trainer import DistributedTrainer
+from gcomp.runtime.artifact import load
+from gcomp.runtime.data import GraphData
+g = GraphData(edge_index=np.array([[0, 1], [1, 2]]), num_nodes=3,
+              x=np.ones((3, 1433), np.float32), y=np.array([0, 1, 2]), name="tiny")
+try:
+    DistributedTrainer(load({paths[0]!r}), g)
+except Exception as e:
+    print("failed:", e, flush=True)
+""")
+    t0 = time.perf_counter()
+    r = _mpirun(4, [sys.executable, str(script)], timeout=120, env={"GCOMP_DIST_TIMEOUT": "60"})
+    assert time.perf_counter() - t0 < 50, "ranks waited for the timeout"
+    assert r.stdout.count("cannot split 3 nodes into 4 non-empty parts") == 4, r.stdout
+
+
+def test_dist_timeout_is_checked(monkeypatch):
+    from gcomp.distributed.halo import DEFAULT_TIMEOUT_S, DistributedError, timeout_s
+    monkeypatch.delenv("GCOMP_DIST_TIMEOUT", raising=False)
+    assert timeout_s() == DEFAULT_TIMEOUT_S
+    monkeypatch.setenv("GCOMP_DIST_TIMEOUT", "2.5")
+    assert timeout_s() == 2.5
+    for bad in ("", "abc", "-1", "0", "nan", "inf"):
+        monkeypatch.setenv("GCOMP_DIST_TIMEOUT", bad)
+        with pytest.raises(DistributedError, match="a positive number"):
+            timeout_s()
 
 
 def test_partition_command(tmp_path):

@@ -209,6 +209,21 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
         b.load(tmp_path / "junk.npz")
 
 
+def test_checkpoint_resumes_on_the_same_model_compiled_otherwise(tmp_path):
+    """Compiling again (for the graph, with another sparse-feature threshold: what other
+    thread or rank counts and machines measure differently) keeps checkpoints valid."""
+    g = labelled(awkward_graph(num_nodes=40, num_edges=160, num_features=5), 3)
+    m = models.build("gcn", 5, hidden=4, out_channels=3)
+    a = Trainer(compile_model(m, train=True, graph=g), g)
+    a.step()
+    a.save(tmp_path / "a.npz")
+    b = Trainer(compile_model(m, train=True, sparse_threshold=0.0), g)
+    b.load(tmp_path / "a.npz")
+    assert b.step_count == 1
+    assert all(np.array_equal(a.parameters()[k], b.parameters()[k]) for k in a.parameters())
+    assert np.isclose(a.step(), b.step(), rtol=1e-6)
+
+
 def test_inference_artifact_cannot_train():
     g = labelled(awkward_graph(num_nodes=30, num_edges=100, num_features=4), 3)
     with pytest.raises(ArtifactError, match="compiled for inference"):
@@ -224,6 +239,9 @@ def test_cli_train_json(capsys, tmp_path):
                 "peak_rss_mb"):
         assert isinstance(result[key], float), key
     assert result["epochs"] == 3 and (tmp_path / "ck.npz").exists()
+    # compiled for cora (a bundled model is): its formats were fixed then, and are reported
+    assert result["formats"] and set(result["formats"].values()) <= {"csr", "ell", "dense",
+                                                                      "banded"}
     rc = main(["train", "gcn", "--graph", "cora", "--epochs", "2", "--json", "--resume",
                str(tmp_path / "ck.npz")])
     assert rc == 0 and json.loads(capsys.readouterr().out.splitlines()[-1])["step"] == 5
@@ -243,6 +261,27 @@ def test_cli_train_compiled_artifact_and_errors(capsys, tmp_path):
     assert main(["compile", "gcn", "--in", "1433", "--out", "7", "-o", str(inf)]) == 0
     assert main(["train", str(inf), "--graph", "cora", "--epochs", "1"]) == 2
     assert "compiled for inference" in capsys.readouterr().err
+    # what the artifact fixed at compile time is refused, not ignored
+    for flags in (["--lr", "0.5"], ["--optimizer", "sgd"], ["--hidden", "64"],
+                  ["--dropout", "0.3"], ["--precision", "bf16"]):
+        assert main(["train", str(art), "--graph", "cora", "--epochs", "1", *flags]) == 2
+        assert f"{flags[0]}: '{art}' is compiled" in capsys.readouterr().err
+    for flags in (["--save-every", "2"], ["--save-every", "-1", "--checkpoint",
+                                          str(tmp_path / "c.npz")]):
+        assert main(["train", str(art), "--graph", "cora", "--epochs", "1", *flags]) == 2
+        assert "--save-every K writes the --checkpoint" in capsys.readouterr().err
+    for cmd in (["train", str(art), "--graph", "cora"], ["compile", "gcn", "-o", str(inf)]):
+        with pytest.raises(SystemExit):
+            main(cmd + ["--seed", "-3"])
+        assert "'-3' is not a non-negative integer" in capsys.readouterr().err
+    # a truncated checkpoint is named, not a zipfile traceback
+    ck = tmp_path / "ck.npz"
+    assert main(["train", str(art), "--graph", "cora", "--epochs", "1", "--checkpoint",
+                 str(ck)]) == 0
+    ck.write_bytes(ck.read_bytes()[: ck.stat().st_size // 2])
+    capsys.readouterr()
+    assert main(["train", str(art), "--graph", "cora", "--epochs", "1", "--resume", str(ck)]) == 2
+    assert "is not a readable gcomp checkpoint (truncated or damaged?)" in capsys.readouterr().err
 
 
 def test_split_when_the_graph_has_no_masks():

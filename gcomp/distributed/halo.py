@@ -66,7 +66,17 @@ class DistributedError(GcompError):
 
 
 def timeout_s() -> float:
-    return float(os.environ.get("GCOMP_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
+    text = os.environ.get("GCOMP_DIST_TIMEOUT")
+    if text is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise DistributedError(f"GCOMP_DIST_TIMEOUT={text!r}: give the seconds a rank waits "
+                               f"for the others, a positive number (default {DEFAULT_TIMEOUT_S})")
+    return value
 
 
 # ---------------------------------------------------------------------- communicator

@@ -44,8 +44,19 @@ class DistributedTrainer(Trainer):
         self.artifact, self.graph, self.seed = artifact, graph, int(seed)
         self._set_masks(graph, seed)
         if parts is None:
-            parts = None if rank else partition_graph(graph, size, method, hosts, seed=seed)
-            parts = self.comm.bcast(parts, what="partition broadcast")
+            failed = None
+            if rank == 0:
+                try:
+                    parts = partition_graph(graph, size, method, hosts, seed=seed)
+                except Exception as e:  # noqa: BLE001 - the other ranks wait for the partition
+                    failed = e
+            sent = self.comm.bcast(str(failed) if failed is not None else parts,
+                                   what="partition broadcast")
+            if failed is not None:
+                raise failed
+            if isinstance(sent, str):  # rank 0 could not partition: fail with it, not wait
+                raise DistributedError(f"rank 0 could not partition the graph: {sent}")
+            parts = sent
         self.parts = check_parts(parts, graph.num_nodes, size)
         self.partition = partition_report(graph, self.parts, size)
         self.shard = sh = build_shard(graph, self.parts, rank, size)

@@ -16,6 +16,7 @@ nodes) never count, whatever the masks say.
 from __future__ import annotations
 
 import hashlib
+import zipfile
 import json
 from pathlib import Path
 
@@ -56,8 +57,9 @@ def read_checkpoint(path: str | Path) -> tuple[dict, dict]:
         meta = json.loads(arrays.pop("meta").tobytes())
     except FileNotFoundError:
         raise InputError(f"checkpoint {str(path)!r} does not exist") from None
-    except (ValueError, KeyError, OSError, EOFError, AttributeError) as e:
-        raise InputError(f"{str(path)!r} is not a readable gcomp checkpoint: {e}") from None
+    except (ValueError, KeyError, OSError, EOFError, AttributeError, zipfile.BadZipFile) as e:
+        raise InputError(f"{str(path)!r} is not a readable gcomp checkpoint (truncated or "
+                         f"damaged?): {e}") from None
     if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
         raise InputError(f"{str(path)!r} is not a gcomp checkpoint")
     return arrays, meta
@@ -174,10 +176,18 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def _fingerprint(self) -> str:
-        """Identifies the compiled model (kernels and plan; not measured thresholds)."""
-        plan = {k: v for k, v in self.artifact.train_plan.to_json().items() if k != "variants"}
-        return hashlib.sha256(self.artifact.lib_bytes + json.dumps(
-            plan, sort_keys=True).encode()).hexdigest()
+        """What a checkpoint's tensors belong to: the model (its inputs, outputs and ops),
+        the names and shapes of its parameters and optimizer state, the optimizer and the
+        precision.  Not the kernels or the plan: the same model compiled again elsewhere
+        (another thread or rank count, another machine) measures other costs and may pick
+        other kernels and formats, and its checkpoints must still resume."""
+        m = self.artifact.manifest
+        key = {"signature": m["signature"], "ops": m["ops"], "optimizer": m["optimizer"]["name"],
+               "precision": m.get("precision", "fp32"),
+               "params": {k: list(np.shape(v)) for k, v in self.artifact.params.items()},
+               "state": {k: list(self.train_ex.get(k).shape)
+                         for k in self.artifact.train_plan.state}}
+        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
     def save(self, path: str | Path) -> Path:
         """Write parameters, optimizer state and the step; atomic (``gcomp/files.py``)."""
