@@ -122,6 +122,20 @@ def test_builder_rejects_bad_sizes_and_names():
         models.build("gnnx", 4)
     with pytest.raises(GcompError, match="hidden must be a positive integer"):
         models.build("gcn", 4, hidden=0)
+    # zero-sized inputs and parameters are named at trace time (a kernel divided by 0)
+    from gcomp.frontend.builder import (EdgeInput, GraphInput, Linear, Module, NodeInput,
+                                        trace)
+    with pytest.raises(GcompError, match="holds no values"):
+        Linear(0, 2)
+
+    class Agg(Module):
+        def forward(self, x, edge_index, w=None):
+            return edge_index.aggregate(x)
+    with pytest.raises(GcompError, match="NodeInput\\(0,\\) has no features"):
+        trace(Agg(), {"x": NodeInput(0), "edge_index": GraphInput()})
+    with pytest.raises(GcompError, match="EdgeInput shape \\(0,\\) holds no values"):
+        trace(Agg(), {"x": NodeInput(3), "edge_index": GraphInput(),
+                      "w": EdgeInput("edge_index", (0,))})
 
 
 def test_builder_names_follow_module_paths():

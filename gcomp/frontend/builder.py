@@ -285,6 +285,9 @@ class Parameter:
 
     def __init__(self, shape: Sequence[int], init: str = "glorot"):
         self.shape = tuple(int(s) for s in shape)
+        if any(s < 1 for s in self.shape):  # Linear(0, k) too
+            raise IRError(f"a Parameter of shape {self.shape} holds no values; give each "
+                          f"dimension at least 1")
         self.init = init
 
     # a Parameter can be used directly in arithmetic inside forward()
@@ -500,11 +503,17 @@ def trace(module: Module, inputs: dict, name: str = "model", seed: int = 0,
                 args[k] = GraphValue(t.graph.create_node(Op.INPUT, ty=GraphType("coo"), name=k))
             elif isinstance(spec, NodeInput):
                 feats = spec.features if isinstance(spec.features, tuple) else (spec.features,)
+                if any(int(f) < 1 for f in feats):
+                    raise IRError(f"input {k!r}: NodeInput{feats} has no features; each "
+                                  f"node needs at least one value")
                 ty = TensorType((N,) + tuple(int(f) for f in feats), "float32")
                 args[k] = Value(t.graph.create_node(Op.INPUT, ty=ty, name=k))
             elif isinstance(spec, EdgeInput):
                 if spec.graph not in args or not isinstance(args[spec.graph], GraphValue):
                     raise IRError(f"edge input {k!r} names graph {spec.graph!r}, declare it first")
+                if any(int(d) < 1 for d in spec.shape):
+                    raise IRError(f"input {k!r}: EdgeInput shape {tuple(spec.shape)} holds "
+                                  f"no values; give each dimension at least 1")
                 ty = TensorType((EdgeDim(spec.graph),) + tuple(spec.shape), "float32")
                 args[k] = Value(t.graph.create_node(Op.INPUT, ty=ty, name=k))
             else:
