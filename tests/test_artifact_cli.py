@@ -429,6 +429,12 @@ def test_a_graph_built_in_python_is_checked_like_a_file(small_gcn):
     as_lists = GraphData("mine", g.num_nodes, g.edge_index.tolist(), g.x)  # any array-like
     assert rel_err(art.run(as_lists)[0], ref) <= 1e-4
     assert isinstance(as_lists.edge_index, list)  # the caller's object is left as it was
+    # a misspelt input name is named, not ignored (its values would go unused)
+    with pytest.raises(InputError, match="unknown node input 'features'; the model's node "
+                                         "inputs: 'x'"):
+        art.run(g, {"x": g.x, "features": g.x})
+    with pytest.raises(InputError, match="missing node input 'x'"):
+        art.run(g, {})
 
 
 def test_sparse_feature_indices_out_of_range_are_named(tmp_path, capsys):

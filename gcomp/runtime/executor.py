@@ -595,6 +595,12 @@ class Executor:
         to other feature values, or to values since changed in place (their nonzero
         arrays belong to the binding).
         """
+        names = [inp["name"] for inp in self.node_inputs()]
+        unknown = sorted(set(values) - set(names))
+        if unknown:  # a misspelt name would leave its values unused, silently
+            raise InputError(f"unknown node input{'s' if len(unknown) > 1 else ''} "
+                             f"{', '.join(map(repr, unknown))}; the model's node inputs: "
+                             f"{', '.join(map(repr, names)) or 'none'}")
         for k, v in values.items():
             if sp.issparse(v):  # scipy trusts the index arrays it holds
                 check_sparse(v, k)
