@@ -39,11 +39,11 @@ def test_print_after_change_skips_unchanged_passes():
     assert "after eval_mode" not in text  # no dropout: nothing changed
     assert "after hoist_graph_static (changed)" in text  # analysis only: annotations changed
     assert "after dce" not in text
-    assert "phase=" not in text  # annotations compared, printed with show_meta only
+    assert "#:" not in text  # annotations compared, printed with show_meta only
     out = io.StringIO()
     default_pipeline()(gcn().graph.copy(),
                        PassContext(instruments=[PrintAfterChange(out, show_meta=True)]))
-    assert "phase=" in out.getvalue()
+    assert '"phase": "feed"' in out.getvalue()
 
 
 def test_dump_ir_numbered_files_parse(tmp_path):
@@ -139,6 +139,33 @@ def test_reproducer_replays_in_the_pass_context_of_the_failure(tmp_path, monkeyp
     assert main(["opt", str(rep.path)]) == 2
     assert "pass 'picky' failed: kaput" in capsys.readouterr().err
     assert len(Picky.seen) == 3 and len(set(Picky.seen)) == 1  # the same context each time
+
+
+@pytest.mark.parametrize("name", ["gin", "gat"])
+def test_each_dumped_ir_replays_to_the_next(tmp_path, name):
+    """The dump after pass k, replayed through pass k + 1, prints as the dump after it:
+    the annotations passes leave (phases, fusion groups, hoisting, the gradient map) are
+    written as #: JSON and read back, so a replay sees what the pass saw."""
+    from gcomp.passes import training_pipeline
+    m = models.build(name, 8, hidden=8, out_channels=3, layers=2, heads=2)
+    training_pipeline()(m.graph.copy(), PassContext(instruments=[DumpIR(tmp_path)]))
+    files = sorted(tmp_path.glob("*.ir"))
+    assert len(files) == len(training_pipeline().pipeline) + 1
+    assert "#: graph" in files[-1].read_text() and '#: {"' in files[-1].read_text()
+    for before, after in zip(files, files[1:]):
+        replayed = replay(before, passes=after.stem.split("_", 1)[1])
+        assert print_graph(replayed, show_meta=True) == after.read_text(), after.name
+
+
+def test_annotations_must_be_json_objects_on_known_values():
+    text = "graph g(%x: f32[N,4]) {\n  #: %y {}\n  return %x\n}\n"
+    with pytest.raises(IRError, match="names %y, which is not an input"):
+        parse_graph(text)
+    bad = "graph g(%x: f32[N,4]) {\n  %r = relu(%x) : f32[N,4]  #: [1]\n  return %r\n}\n"
+    with pytest.raises(IRError, match="line 2: bad annotation"):
+        parse_graph(bad)
+    ok = bad.replace("#: [1]", '#: {"phase": "run"}  ').replace("return %r", "return %r  # a comment")
+    assert parse_graph(ok).node("r").meta == {"phase": "run"}
 
 
 def test_unusable_directories_and_ir_files_are_named(tmp_path, monkeypatch, capsys):

@@ -151,7 +151,7 @@ class Reproducer(Instrument):
         msg = str(error).splitlines()[0] if str(error) else type(error).__name__
         try:
             path.write_text(f"{header}\n# pipeline before it: {','.join(pipeline[:-1])}\n"
-                            f"# error: {msg}\n{print_graph(graph_before)}")
+                            f"# error: {msg}\n{print_graph(graph_before, show_meta=True)}")
         except OSError as e:  # the pass's error, raised next, is what matters: not replaced
             print(f"gcomp: warning: no reproducer written to {str(path)!r}: "
                   f"{e.strerror or e}", file=sys.stderr)

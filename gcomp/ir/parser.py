@@ -2,7 +2,9 @@
 
 ``parse_graph(print_graph(g))`` prints identically to ``g``; types written in
 the text are checked against the inferred ones, so a fixture with a wrong type
-is reported rather than silently corrected.  ``#`` starts a comment.
+is reported rather than silently corrected.  ``#`` starts a comment; ``#:`` starts
+the annotations ``print_graph(g, show_meta=True)`` writes (JSON), read back into
+``node.meta`` (``#: graph`` on a line of its own: ``graph.meta``).
 """
 
 from __future__ import annotations
@@ -21,16 +23,29 @@ _RETURN = re.compile(r"^return\b(.*)$")
 _decoder = json.JSONDecoder()
 
 
-def _strip_comment(line: str) -> str:
+def _split_comment(line: str) -> tuple[str, str]:
+    """(the code, the comment after its ``#``)."""
     # '#' never occurs inside our JSON attribute strings except in quotes
-    out, quoted = [], False
-    for ch in line:
+    quoted = False
+    for i, ch in enumerate(line):
         if ch == '"':
             quoted = not quoted
         if ch == "#" and not quoted:
-            break
-        out.append(ch)
-    return "".join(out).strip()
+            return line[:i].strip(), line[i + 1:]
+    return line.strip(), ""
+
+
+def _annotation(comment: str, lineno: int) -> dict | None:
+    """The JSON object of a ``#:`` annotation, or None for a plain comment."""
+    if not comment.startswith(":"):
+        return None
+    try:
+        meta = json.loads(comment[1:])
+    except json.JSONDecodeError as e:
+        raise IRError(f"line {lineno}: bad annotation (#: takes a JSON object): {e}") from None
+    if not isinstance(meta, dict):
+        raise IRError(f"line {lineno}: bad annotation (#: takes a JSON object)")
+    return meta
 
 
 def _parse_attrs(text: str, lineno: int) -> tuple[dict, str]:
@@ -83,11 +98,19 @@ def _ref(g: Graph, token: str, lineno: int):
 
 
 def parse_graph(text: str) -> Graph:
-    lines = [(i + 1, _strip_comment(l)) for i, l in enumerate(text.splitlines())]
-    lines = [(i, l) for i, l in lines if l]
+    header_meta: dict = {}  # "graph" or an input's name -> its annotations
+    lines = []
+    for i, raw in enumerate(text.splitlines()):
+        code, comment = _split_comment(raw)
+        if code:
+            lines.append((i + 1, code, comment))
+            continue
+        m = re.match(r"^:\s*(graph|%[A-Za-z_][A-Za-z0-9_.]*)\s", comment)
+        if m:
+            header_meta[m.group(1)] = _annotation(":" + comment[m.end():], i + 1)
     if not lines:
         raise IRError("empty IR text")
-    lineno, head = lines[0]
+    lineno, head, _ = lines[0]
     m = _HEADER.match(head)
     if not m:
         raise IRError(f"line {lineno}: expected 'graph NAME(...) {{', got {head!r}")
@@ -98,8 +121,15 @@ def parse_graph(text: str) -> Graph:
         if not name.startswith("%") or not ty:
             raise IRError(f"line {lineno}: bad input declaration {part!r}")
         g.create_node(Op.INPUT, ty=parse_type(ty), name=name[1:])
+    for key, meta in header_meta.items():
+        if key == "graph":
+            g.meta.update(meta)
+        elif g.has(key[1:]) and g.node(key[1:]).op == Op.INPUT:
+            g.node(key[1:]).meta.update(meta)
+        else:
+            raise IRError(f"an annotation names %{key[1:]}, which is not an input of the graph")
     done = False
-    for lineno, line in lines[1:]:
+    for lineno, line, comment in lines[1:]:
         if done:
             raise IRError(f"line {lineno}: text after the closing brace")
         if line == "}":
@@ -128,6 +158,9 @@ def parse_graph(text: str) -> Graph:
             raise IRError(f"line {lineno}: {e}") from None
         if OPS[op].infer is not None and node.ty != ty:
             raise IRError(f"line {lineno}: %{name} is written as {ty} but its type is {node.ty}")
+        meta = _annotation(comment, lineno)
+        if meta:
+            node.meta.update(meta)
     if not done:
         raise IRError("missing closing brace")
     return g

@@ -8,7 +8,11 @@
 
 Attributes print as ``key=<JSON>`` in the op's declared order, leaving out those
 at their default value, so equal graphs print equal text and printed text can
-serve as a test fixture.
+serve as a test fixture.  With ``show_meta`` the passes' annotations follow as
+``#: <JSON>`` (a node's), ``#: graph <JSON>`` and ``#: %input <JSON>`` (the graph's and
+its inputs', after the header),
+which the parser reads back: an IR dump or a reproducer replays in the state its
+pass saw (fusion groups, phases, hoisting, the gradient map).
 """
 
 from __future__ import annotations
@@ -36,18 +40,18 @@ def format_node(n, show_meta: bool = False) -> str:
         text += f"({args})"
     text += f" : {n.ty}"
     if show_meta and n.meta:
-        text += "  # " + ", ".join(f"{k}={_short(v)}" for k, v in sorted(n.meta.items()))
+        text += "  #: " + json.dumps(n.meta, sort_keys=True)
     return text
-
-
-def _short(v) -> str:
-    s = repr(v)
-    return s if len(s) <= 60 else s[:57] + "..."
 
 
 def print_graph(g, show_meta: bool = False) -> str:
     sig = ", ".join(f"%{n.name}: {n.ty}" for n in g.inputs)
     lines = [f"graph {g.name}({sig}) {{"]
+    if show_meta:
+        if g.meta:
+            lines.append("  #: graph " + json.dumps(g.meta, sort_keys=True))
+        lines += [f"  #: %{n.name} " + json.dumps(n.meta, sort_keys=True)
+                  for n in g.inputs if n.meta]
     for n in g:
         if n.op != Op.INPUT:
             lines.append("  " + format_node(n, show_meta))
