@@ -95,6 +95,14 @@ def cmd_compile(args) -> int:
     t0 = time.perf_counter()
     model = _model_from_args(args)
     ctx, timing = _pass_context(args)
+    from gcomp.passes import default_pipeline, training_pipeline
+    runs = set(default_pipeline().pipeline) | (set(training_pipeline().pipeline) if args.train
+                                               else set())
+    for name in args.print_after or []:  # a flag that prints nothing says why
+        if name not in runs or name in ctx.disabled:
+            why = ("it is disabled" if name in ctx.disabled
+                   else "it runs in the training pipeline only (--train)")
+            print(f"gcomp: note: --print-after {name} prints nothing: {why}", file=sys.stderr)
     graph = None
     if args.graph:
         from gcomp.runtime.data import load_graph

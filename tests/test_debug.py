@@ -255,6 +255,11 @@ def test_cli_compile_debug_flags(tmp_path, capsys):
         assert main(["compile", "gcn", "--in", "64", "--out", "3", "-o", str(out), "--train",
                      "--prefer", prefer]) == 0
         assert bool(load(out).train_plan.feed_steps) == hoisted
+    assert main(["compile", "gcn", "--in", "6", "--out", "3", "-o", str(out),
+                 "--print-after", "autodiff", "--print-after", "cse", "--disable-pass", "cse"]) == 0
+    err = capsys.readouterr().err
+    assert "--print-after autodiff prints nothing: it runs in the training pipeline only" in err
+    assert "--print-after cse prints nothing: it is disabled" in err
     assert main(["compile", "gcn", "-o", str(out), "--disable-pass", "fusion"]) == 2
     assert "unknown pass 'fusion'" in capsys.readouterr().err
 
