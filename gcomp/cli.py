@@ -336,6 +336,12 @@ def _train(args, comm=None) -> int:
 
     if args.epochs < 0:
         raise GcompError("--epochs must be >= 0")
+    if comm is None:
+        given = [f for f, on in (("--parts", args.parts), ("--hosts", args.hosts),
+                                 ("--partition", args.partition != "auto")) if on]
+        if given:
+            raise GcompError(f"{', '.join(given)}: these split the graph across MPI ranks; "
+                             f"this is one process (start it with mpiexec -n K gcomp train ...)")
     if args.save_every < 0 or (args.save_every and not args.checkpoint):
         raise GcompError("--save-every K writes the --checkpoint every K epochs: give a "
                          "--checkpoint and K >= 1 (0: only at the end)")

@@ -274,6 +274,9 @@ def test_cli_train_compiled_artifact_and_errors(capsys, tmp_path):
         with pytest.raises(SystemExit):
             main(cmd + ["--seed", "-3"])
         assert "'-3' is not a non-negative integer" in capsys.readouterr().err
+    for flags in (["--parts", "p.npy"], ["--hosts", "2"], ["--partition", "metis"]):
+        assert main(["train", str(art), "--graph", "cora", "--epochs", "1", *flags]) == 2
+        assert f"{flags[0]}: these split the graph across MPI ranks" in capsys.readouterr().err
     # a truncated checkpoint is named, not a zipfile traceback
     ck = tmp_path / "ck.npz"
     assert main(["train", str(art), "--graph", "cora", "--epochs", "1", "--checkpoint",
