@@ -349,10 +349,10 @@ def _train(args, comm=None) -> int:
         defaults = vars(_parser().parse_args(["train", args.model, "--graph", args.graph]))
         fixed = [flag for flag, dest in _COMPILE_FLAGS if getattr(args, dest) != defaults[dest]]
         if fixed:
-            raise GcompError(f"{', '.join(fixed)}: {args.model!r} is compiled; its model, optimizer "
-                             f"and precision were fixed then (gcomp info shows them): compile "
-                             f"again with these flags, or train a bundled model or .onnx file "
-                             f"with them")
+            raise GcompError(f"{', '.join(fixed)}: {args.model!r} is compiled; its model, "
+                             f"optimizer and precision were fixed then (gcomp info shows "
+                             f"them): compile again with these flags, or train a bundled model "
+                             f"or .onnx file with them")
     if args.checkpoint:  # before training: a result that cannot be written is lost
         inputs = [Path(p) for p in (args.model, args.graph, args.parts) if p and Path(p).exists()]
         _check_output_path(Path(args.checkpoint), inputs, "checkpoint")
