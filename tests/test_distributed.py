@@ -298,6 +298,19 @@ except Exception as e:
     assert r.stdout.count("cannot split 3 nodes into 4 non-empty parts") == 4, r.stdout
 
 
+def test_fused_epilogues_are_read_from_the_artifact_ir():
+    """The distributed runtime reads fusion groups from the artifact's printed IR: the #:
+    JSON annotations, and artifacts written before them (# fused_into='a')."""
+    from gcomp.distributed.halo import fused_epilogues
+    new = ('  %m = mul(%a, %e) : f32[N,4]  #: {"fused_into": "agg", "operand": true}\n'
+           '  %r = relu(%m) : f32[N,4]  #: {"fused_into": "agg", "phase": "run"}\n'
+           '  %s = relu(%x) : f32[N,4]  #: {"phase": "run"}\n')
+    old = "  %m = mul(%a, %e) : f32[N,4]  # fused_into='agg', operand=True, phase='run'\n"
+    assert fused_epilogues([new]) == {"agg": [("mul", True, ("a", "e")),
+                                              ("relu", False, ("m",))]}
+    assert fused_epilogues([old, None]) == {"agg": [("mul", True, ("a", "e"))]}
+
+
 def test_dist_timeout_is_checked(monkeypatch):
     from gcomp.distributed.halo import DEFAULT_TIMEOUT_S, DistributedError, timeout_s
     monkeypatch.delenv("GCOMP_DIST_TIMEOUT", raising=False)

@@ -264,18 +264,29 @@ NO_HALO_PROPAGATION = ("matmul",)
 
 def fused_epilogues(ir_texts) -> dict[str, list[tuple[str, bool, tuple[str, ...]]]]:
     """anchor node -> its fused members as (op, computed operand?, input names), read from
-    an artifact's printed IR (``artifact.ir``: lines ``%m = op[...](%a, %b) ... #
-    fused_into='anchor'``, ``operand=True`` for an operand the epilogue computes)."""
+    an artifact's printed IR (``artifact.ir``: lines ``%m = op[...](%a, %b) : T  #:
+    {"fused_into": "anchor", ...}``, ``"operand": true`` for an operand the epilogue
+    computes; artifacts written before 2026-11-28 annotate ``# fused_into='anchor'``)."""
+    import json
     import re
-    pat = re.compile(r"^\s*%(\S+) = ([a-z_]+)\b[^(]*\(([^)]*)\).*# (.*fused_into='([^']+)'.*)")
+    pat = re.compile(r"^\s*%(\S+) = ([a-z_]+)\b[^(]*\(([^)]*)\)[^#]*#(.*)$")
+    old = re.compile(r"fused_into='([^']+)'")
     out: dict[str, list[tuple[str, bool, tuple[str, ...]]]] = {}
     for text in ir_texts:
         for line in (text or "").splitlines():
             m = pat.match(line)
-            if m:
+            if not m:
+                continue
+            note = m.group(4)
+            if note.startswith(":"):
+                meta = json.loads(note[1:])
+                anchor, operand = meta.get("fused_into"), bool(meta.get("operand"))
+            else:
+                o = old.search(note)
+                anchor, operand = (o.group(1) if o else None), "operand=True" in note
+            if anchor is not None:
                 args = tuple(a.strip().lstrip("%") for a in m.group(3).split(",") if a.strip())
-                out.setdefault(m.group(5), []).append(
-                    (m.group(2), "operand=True" in m.group(4), args))
+                out.setdefault(anchor, []).append((m.group(2), operand, args))
     return out
 
 
