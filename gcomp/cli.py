@@ -228,13 +228,10 @@ def cmd_opt(args) -> int:
     from gcomp.passes import PassManager
 
     path = _P(args.file)
-    text = read_ir(path)
     if args.passes is None:  # the header's passes and pass context: no flag may change them
-        given = [flag for flag, on in (("--disable-pass", args.disable_pass),
-                                       ("-t", args.target != "llvm"),
-                                       ("--prefer", args.prefer != "speed"),
-                                       ("--deterministic", args.deterministic),
-                                       ("--tile-products", args.tile_products)) if on]
+        given = _flags_given(args, ["opt", args.file], (
+            ("--disable-pass", "disable_pass"), ("-t", "target"), ("--prefer", "prefer"),
+            ("--deterministic", "deterministic"), ("--tile-products", "tile_products")))
         if given:
             raise GcompError(f"{', '.join(given)} with a reproducer's header: the header names "
                              f"the passes and the context they failed in; give --passes (and "
@@ -243,7 +240,7 @@ def cmd_opt(args) -> int:
     if args.passes is None:
         graph = replay(path, instruments=ctx.instruments)
     else:
-        graph = PassManager(parse_pipeline(args.passes))(parse_graph(text), ctx)
+        graph = PassManager(parse_pipeline(args.passes))(parse_graph(read_ir(path)), ctx)
     if timing is not None:
         print(timing.render(), file=sys.stderr)
     print(print_graph(graph, show_meta=args.show_meta), end="")
@@ -336,9 +333,10 @@ def _train(args, comm=None) -> int:
 
     if args.epochs < 0:
         raise GcompError("--epochs must be >= 0")
+    train_argv = ["train", args.model, "--graph", args.graph]
     if comm is None:
-        given = [f for f, on in (("--parts", args.parts), ("--hosts", args.hosts),
-                                 ("--partition", args.partition != "auto")) if on]
+        given = _flags_given(args, train_argv, (("--parts", "parts"), ("--hosts", "hosts"),
+                                                ("--partition", "partition")))
         if given:
             raise GcompError(f"{', '.join(given)}: these split the graph across MPI ranks; "
                              f"this is one process (start it with mpiexec -n K gcomp train ...)")
@@ -346,8 +344,7 @@ def _train(args, comm=None) -> int:
         raise GcompError("--save-every K writes the --checkpoint every K epochs: give a "
                          "--checkpoint and K >= 1 (0: only at the end)")
     if str(args.model).endswith(".gcomp"):  # what the artifact fixed cannot change here
-        defaults = vars(_parser().parse_args(["train", args.model, "--graph", args.graph]))
-        fixed = [flag for flag, dest in _COMPILE_FLAGS if getattr(args, dest) != defaults[dest]]
+        fixed = _flags_given(args, train_argv, _COMPILE_FLAGS)
         if fixed:
             raise GcompError(f"{', '.join(fixed)}: {args.model!r} is compiled; its model, "
                              f"optimizer and precision were fixed then (gcomp info shows "
@@ -577,6 +574,13 @@ def _reorder_flag(p) -> None:
                    help="node order for the kernels (auto: chosen by the cost model)")
     p.add_argument("--format", default="auto", choices=list(MODES),
                    help="adjacency format of the aggregations (auto: chosen by the cost model)")
+
+
+def _flags_given(args, argv: list[str], flags) -> list[str]:
+    """The flags of ``(flag, dest)`` pairs whose value in ``args`` is not the parser's
+    default for the command ``argv`` (its required arguments) sets."""
+    defaults = vars(_parser().parse_args(argv))
+    return [flag for flag, dest in flags if getattr(args, dest) != defaults[dest]]
 
 
 def _seed(text: str) -> int:

@@ -10,9 +10,8 @@ Attributes print as ``key=<JSON>`` in the op's declared order, leaving out those
 at their default value, so equal graphs print equal text and printed text can
 serve as a test fixture.  With ``show_meta`` the passes' annotations follow as
 ``#: <JSON>`` (a node's), ``#: graph <JSON>`` and ``#: %input <JSON>`` (the graph's and
-its inputs', after the header),
-which the parser reads back: an IR dump or a reproducer replays in the state its
-pass saw (fusion groups, phases, hoisting, the gradient map).
+its inputs', after the header), which the parser reads back: an IR dump or a reproducer
+replays in the state its pass saw (fusion groups, phases, hoisting, the gradient map).
 """
 
 from __future__ import annotations

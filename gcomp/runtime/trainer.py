@@ -16,8 +16,8 @@ nodes) never count, whatever the masks say.
 from __future__ import annotations
 
 import hashlib
-import zipfile
 import json
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -199,8 +199,8 @@ class Trainer:
         return write_atomic(path, lambda f: np.savez(f, **arrays))
 
     def load(self, path: str | Path, checkpoint: tuple[dict, dict] | None = None) -> None:
-        """Resume from a checkpoint written by ``save`` for the same compiled model, with
-        the same split: on a graph without masks, a trainer of the checkpoint's seed.
+        """Resume from a checkpoint written by ``save`` for the same model
+        (``_fingerprint``), with the same split: on a graph without masks, a trainer of the checkpoint's seed.
         ``checkpoint``: what ``read_checkpoint(path)`` returned, if the caller read it."""
         arrays, meta = checkpoint if checkpoint is not None else read_checkpoint(path)
         if meta.get("artifact") != self._fingerprint():
