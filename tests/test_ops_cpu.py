@@ -466,6 +466,45 @@ def test_cross_entropy_of_bfloat16_logits(C):
     assert np.abs(lse_out.numpy()[valid] - lse[valid]).max() <= 1e-5 * np.abs(lse).max()
 
 
+@pytest.mark.parametrize("C", [40, 23])
+def test_fused_cross_entropy_of_bfloat16_logits_in_place(C):
+    """The fused loss and gradient with logits and gradient stored as bfloat16, the
+    gradient written over the logits (as the memory plan may have it): the row's
+    exponentials are kept, so each gradient value is rounded once, the label's share
+    subtracted before rounding; against float64 of the rounded logits."""
+    import tvm
+    import tvm_ffi
+    from gcomp.codegen.build import build_library, make_target
+    from gcomp.codegen.cpu_kernels import CE_PARALLEL
+    from gcomp.codegen.kernels import KernelSpec
+    spec = KernelSpec.make("cross_entropy_fused", C=C, bf16=("z", "out"))
+    lib = tvm.runtime.load_module(str(build_library({spec.name: spec}, make_target("llvm"))))
+    rng = np.random.default_rng(C)
+    for n in (5, CE_PARALLEL // C + 77):
+        z = (4 * rng.standard_normal((n, C))).astype(np.float32)
+        bits = bf16_bits(z)
+        zz = widen_bf16(bits)
+        y = rng.integers(-1, C, n).astype(np.int32)
+        m = (rng.random(n) < 0.6).astype(np.float32)
+        m[0] = 1.0
+        T = tvm.runtime.tensor
+        both = tvm_ffi.from_dlpack(bits)._create_view((n, C), "bfloat16")
+        loss = T(np.zeros((), np.float32))
+        lib[spec.name](T(np.array(2.0, np.float32)), both, T(y), T(m), loss, both)
+        valid, yy = (m != 0) & (y >= 0), np.maximum(y, 0)
+        e = np.exp(zz - zz.max(1, keepdims=True))
+        lse = np.log(e.sum(1)) + zz.max(1)
+        ref = np.where(valid, m * (lse - zz[np.arange(n), yy]), 0).sum() / m.sum()
+        g = e / e.sum(1, keepdims=True)
+        g[np.arange(n), yy] -= 1
+        g = np.where(valid[:, None], g * (2.0 * m / m.sum())[:, None], 0)
+        got = widen_bf16(bits)  # the gradient, over the logits' bits
+        assert abs(float(loss.numpy()) - ref) <= 1e-5 * abs(ref)
+        # one rounding to bfloat16 (8 significant bits) per value, and float32 arithmetic
+        assert (np.abs(got - g) <= 2.0 ** -8 * np.abs(g) + 1e-6 * np.abs(g).max()).all()
+        assert (got[~valid] == 0).all()
+
+
 @pytest.mark.parametrize("kind,K,M,sum_row", [("matmul", 32, 32, False), ("matmul", 16, 7, False),
                                               ("matmul_tn", 32, 40, False),
                                               ("matmul_tn", 128, 130, False),
