@@ -138,6 +138,30 @@ def test_builder_rejects_bad_sizes_and_names():
                       "w": EdgeInput("edge_index", (0,))})
 
 
+def test_builder_outputs_are_distinct_values():
+    """forward() returning one value twice, or an input, gives outputs of their own names
+    (results are named by their nodes: a repeat would lose one), with the same values."""
+    from gcomp.compiler import compile_model
+    from gcomp.frontend.builder import GraphInput, Linear, Module, NodeInput, trace
+
+    class Twice(Module):
+        def __init__(self):
+            self.lin = Linear(4, 3)
+
+        def forward(self, x, edge_index):
+            h = self.lin(x)
+            return h, h, x
+    m = trace(Twice(), {"x": NodeInput(4), "edge_index": GraphInput()})
+    names = [o["name"] for o in m.signature()["outputs"]]
+    assert len(set(names)) == 3 and names[0] == "lin.bias_add"
+    x = np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32)
+    from gcomp.runtime.data import GraphData
+    g = GraphData("g", 5, np.array([[0, 1], [1, 2]]), x=x)
+    h, h2, x2 = compile_model(m).run(g)
+    ref = x.astype(np.float64) @ m.params["lin.weight"] + m.params["lin.bias"]
+    assert np.abs(h - ref).max() <= 1e-5 and np.array_equal(h, h2) and np.array_equal(x2, x)
+
+
 def test_builder_names_follow_module_paths():
     m = models.build("sage", 4, hidden=3, out_channels=2, layers=2)
     assert sorted(m.params) == ["convs.0.lin_l.bias", "convs.0.lin_l.weight", "convs.0.lin_r.weight",

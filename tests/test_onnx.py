@@ -335,6 +335,34 @@ def test_dense_adjacency_becomes_sparse_aggregation():
     assert "aggregate" in ops and "matmul" in ops
 
 
+def test_identity_outputs_keep_their_names(tmp_path):
+    """An output that is an Identity of another output, or of the features input, is a
+    value of its own under its ONNX name: the model's outputs, ``art.run`` and ``gcomp
+    run --out`` give one array per ONNX output, each the reference evaluator's."""
+    proto = _aggregation()
+    proto.graph.node.extend([helper.make_node("Identity", ["out"], ["out_copy"]),
+                             helper.make_node("Identity", ["x"], ["x_out"])])
+    proto.graph.output.extend([_vi("out_copy", TensorProto.FLOAT, ["N", 3]),
+                               _vi("x_out", TensorProto.FLOAT, ["N", 4])])
+    names = ["out", "out_copy", "x_out"]
+    assert [o["name"] for o in import_proto(proto).signature()["outputs"]] == names
+    g = awkward_graph(num_nodes=40, num_edges=150, num_features=4, seed=2)
+    feeds = {"x": g.dense_x(), "edge_index": g.edge_index.astype(np.int64)}
+    refs = ReferenceEvaluator(proto).run(None, feeds)
+    outs = compile_model(import_proto(proto)).run(g)
+    for o, r in zip(outs, refs):
+        assert rel_err(o, r) <= 1e-5
+    onnx.save(proto, tmp_path / "m.onnx")
+    np.savez(tmp_path / "g.npz", x=feeds["x"], edge_index=g.edge_index)
+    assert main(["compile", str(tmp_path / "m.onnx"), "-o", str(tmp_path / "m.gcomp")]) == 0
+    assert main(["run", str(tmp_path / "m.gcomp"), "--graph", str(tmp_path / "g.npz"),
+                 "--out", str(tmp_path / "y.npz")]) == 0
+    y = np.load(tmp_path / "y.npz")
+    assert sorted(y.files) == sorted(names)
+    for name, r in zip(names, refs):
+        assert rel_err(y[name], r) <= 1e-5, name
+
+
 def test_roles_can_be_named():
     proto = _aggregation()
     for vi, new in zip(proto.graph.input, ("a", "b")):

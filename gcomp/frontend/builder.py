@@ -39,6 +39,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from gcomp.errors import IRError
+from gcomp.frontend.outputs import distinct
 from gcomp.ir.graph import Graph, Node
 from gcomp.ir.ops import Op
 from gcomp.ir.types import N, EdgeDim, GraphType, TensorType
@@ -524,7 +525,7 @@ def trace(module: Module, inputs: dict, name: str = "model", seed: int = 0,
         for o in outs:
             if not isinstance(o, Value):
                 raise IRError(f"forward() must return Values, got {type(o).__name__}")
-        t.graph.set_outputs([o.node for o in outs])
+        t.graph.set_outputs(distinct(t.graph, [o.node for o in outs], [None] * len(outs)))
         _drop_unused_params(t)
         return Model(t.graph, t.params, dict(config or {}))
     finally:

@@ -30,6 +30,7 @@ from gcomp.frontend.onnx_dims import Lin
 from gcomp.frontend.onnx_ops import Interp
 from gcomp.frontend.onnx_values import (Adjacency, Emitter, FromIR, GraphDesc, GraphIndex, Known,
                                         Tensor, clean_name)
+from gcomp.frontend.outputs import distinct
 from gcomp.ir.graph import Graph
 from gcomp.ir.ops import Op
 from gcomp.ir.types import N, EdgeDim, GraphType, TensorType
@@ -119,7 +120,7 @@ def import_proto(proto, roles: dict | None = None, name: str = "onnx_model",
             raise ModelImportError(f"output {o.name!r} has type {node.ty}; gcomp models output "
                                    "node tensors [num_nodes, ...]")
         outs.append(node)
-    ir.set_outputs(outs)
+    ir.set_outputs(distinct(ir, outs, [clean_name(o.name) or "output" for o in g.output]))
     _drop_unused(ir, em.params)
     _name_weights(ir, em.params)
     config = {"model": "onnx", "source": source, "opset": _opset(proto),
