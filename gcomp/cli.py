@@ -36,12 +36,17 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
-def _check_output_path(out: Path, inputs: list[Path], kind: str) -> None:
-    """Refuse to write over an input of this command."""
+def _check_output_path(out: Path, inputs: list[Path], kind: str,
+                       suffixes: tuple[str, ...] | None = None) -> None:
+    """Refuse to write over an input of this command, or to a file not named as the arrays
+    written there (``suffixes``): a mistyped ``--out model.onnx`` would replace the model."""
     for i in inputs:
         if _same_file(out, i) or out.resolve() == i.resolve():
             raise GcompError(f"refusing to write the {kind} to {str(out)!r}: it is an input of "
                              "this command")
+    if suffixes is not None and out.suffix not in suffixes:
+        raise GcompError(f"--out {str(out)!r}: the {kind} is written as "
+                         f"{' or '.join(suffixes)}; name a file ending so")
     if out.exists() and out.is_dir():
         raise GcompError(f"{str(out)!r} is a directory")
     if not out.parent.exists():
@@ -258,7 +263,7 @@ def cmd_run(args) -> int:
     inputs = [Path(args.artifact)] + ([Path(args.graph)] if Path(args.graph).exists() else [])
     if args.features:
         inputs.append(Path(args.features))
-    _check_output_path(out, inputs, "output")
+    _check_output_path(out, inputs, "output", (".npy", ".npz"))
     art = artifact.load(args.artifact)
     names = [o["name"] for o in art.plan.outputs]
     if len(names) > 1 and out.suffix != ".npz":
@@ -474,7 +479,7 @@ def cmd_partition(args) -> int:
     graph = load_graph(args.graph)
     out = Path(args.out) if args.out else None
     if out is not None:
-        _check_output_path(out, [Path(args.graph)], "partition")
+        _check_output_path(out, [Path(args.graph)], "partition", (".npy",))
     parts, rep = timed_partition(graph, args.parts, method=args.method, hosts=args.hosts,
                                  balance=args.balance, seed=args.seed)
     if out is not None:

@@ -196,6 +196,11 @@ def test_cli_refuses_to_overwrite_inputs(gcn_art, tmp_path, capsys):
     user_file.write_text("mine")
     err = _err(["compile", "gcn", "-o", str(user_file)], capsys)
     assert "not a gcomp artifact" in err and user_file.read_text() == "mine"
+    # --out names the arrays' file: a mistyped path to another file is refused, not replaced
+    err = _err(["run", str(gcn_art), "--graph", "cora", "--out", str(user_file)], capsys)
+    assert ".npy or .npz" in err and user_file.read_text() == "mine"
+    err = _err(["partition", "cora", "-k", "2", "--out", str(user_file)], capsys)
+    assert ".npy" in err and user_file.read_text() == "mine"
 
 
 def test_cli_other_errors(gcn_art, tmp_path, capsys):
