@@ -295,6 +295,20 @@ def test_split_when_the_graph_has_no_masks():
     assert not (tr.train_mask & tr.val_mask).any()
 
 
+def test_given_validation_and_test_masks_are_kept_without_a_train_mask():
+    """Validation and test masks without a train mask: training takes the labelled nodes in
+    neither (a random split would have trained on given test nodes)."""
+    g = awkward_graph(num_nodes=100, num_edges=300, num_features=4)
+    g.y = np.random.default_rng(0).integers(0, 3, 100)
+    g.y[:5] = -1
+    rng = np.random.default_rng(1)
+    g.val_mask, g.test_mask = rng.random(100) < 0.2, rng.random(100) < 0.3
+    tr = Trainer(compile_model(models.build("gcn", 4, hidden=4, out_channels=3), train=True), g)
+    assert np.array_equal(tr.val_mask, g.val_mask & (g.y >= 0))
+    assert np.array_equal(tr.test_mask, g.test_mask & (g.y >= 0))
+    assert np.array_equal(tr.train_mask, ~(g.val_mask | g.test_mask) & (g.y >= 0))
+
+
 def test_citeseer_unlabelled_nodes_never_count():
     g = load_graph("citeseer")
     tr = Trainer(compile_model(models.build("gcn", 3703, hidden=4, out_channels=6), train=True), g)

@@ -34,14 +34,18 @@ CHECKPOINT_FORMAT = "gcomp-checkpoint"
 
 
 def masks_of(graph: GraphData, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The graph's train/val/test masks, or a seeded 60/20/20 split; unlabelled nodes out."""
+    """The graph's train/val/test masks; without a train mask, the nodes in neither of the
+    others (a random split would train on given validation and test nodes); without any
+    mask, a seeded 60/20/20 split.  Unlabelled nodes are left out."""
     if graph.y is None:
         raise InputError(f"graph {graph.name!r} has no labels (y); training needs them")
-    if graph.train_mask is not None:
-        masks = [m if m is not None else np.zeros(graph.num_nodes, bool)
-                 for m in (graph.train_mask, graph.val_mask, graph.test_mask)]
-    else:
+    given = (graph.train_mask, graph.val_mask, graph.test_mask)
+    if all(m is None for m in given):
         masks = random_split(graph.num_nodes, np.random.default_rng(seed))
+    else:
+        masks = [m if m is not None else np.zeros(graph.num_nodes, bool) for m in given]
+        if graph.train_mask is None:
+            masks[0] = ~(masks[1] | masks[2])
     labelled = graph.y >= 0
     masks = [m & labelled for m in masks]
     if not masks[0].any():
