@@ -309,6 +309,32 @@ def test_given_validation_and_test_masks_are_kept_without_a_train_mask():
     assert np.array_equal(tr.train_mask, ~(g.val_mask | g.test_mask) & (g.y >= 0))
 
 
+@pytest.mark.parametrize("kind", ["normal", "binary", "sparse-binary", "sparse-negative",
+                                  "small-rows"])
+def test_normalize_features_is_pygs(kind):
+    """``--normalize-features`` against PyG's NormalizeFeatures (the minimum subtracted,
+    rows divided by their sum where it exceeds 1): real-valued features, binary ones
+    dense and sparse, sparse ones with negative values, rows summing below 1."""
+    import scipy.sparse as sp
+    torch = pytest.importorskip("torch", reason="PyG comparison needs torch ([bench] extra)")
+    T = pytest.importorskip("torch_geometric.transforms", reason="needs PyG ([bench] extra)")
+    from torch_geometric.data import Data
+    from gcomp.runtime.data import normalize_features
+    rng = np.random.default_rng(0)
+    x = {"normal": rng.standard_normal((50, 7)),
+         "binary": rng.random((50, 7)) < 0.3,
+         "sparse-binary": rng.random((50, 7)) < 0.3,
+         "sparse-negative": (rng.random((50, 7)) < 0.3) * rng.standard_normal((50, 7)),
+         "small-rows": rng.random((50, 7)) * 0.05}[kind].astype(np.float32)
+    g = awkward_graph(num_nodes=50, num_edges=100, num_features=7)
+    g.x = sp.csr_matrix(x) if kind.startswith("sparse") else x
+    got = normalize_features(g).x
+    assert sp.issparse(got) == (kind == "sparse-binary")
+    ref = T.NormalizeFeatures()(Data(x=torch.from_numpy(x.copy()))).x.numpy()
+    got = got.toarray() if sp.issparse(got) else got
+    assert got.dtype == np.float32 and np.abs(got - ref).max() <= 1e-6
+
+
 def test_citeseer_unlabelled_nodes_never_count():
     g = load_graph("citeseer")
     tr = Trainer(compile_model(models.build("gcn", 3703, hidden=4, out_channels=6), train=True), g)

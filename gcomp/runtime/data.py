@@ -267,16 +267,18 @@ def load_features(path: str | Path, num_nodes: int) -> np.ndarray:
 
 
 def normalize_features(graph: GraphData) -> GraphData:
-    """Row-normalize node features to sum 1 (PyG's NormalizeFeatures; rows of zeros stay)."""
+    """PyG's NormalizeFeatures: the features' minimum subtracted from all of them, then
+    each row divided by its sum where that exceeds 1 (rows summing to less, zeros among
+    them, stay).  Sparse features stay sparse unless their minimum is below zero."""
     x = graph.x
     if x is None:
         raise InputError(f"graph {graph.name!r} has no features to normalize")
-    if sp.issparse(x):
-        sums = np.asarray(x.sum(axis=1)).ravel()
-        scale = np.where(sums != 0, 1.0 / np.where(sums != 0, sums, 1), 1.0).astype(np.float32)
-        x = sp.csr_matrix(sp.diags(scale) @ x, dtype=np.float32)
+    low = x.min()  # a sparse matrix's minimum counts the zeros it does not store
+    if sp.issparse(x) and low == 0:
+        sums = np.asarray(x.sum(axis=1, dtype=np.float64)).ravel()
+        x = sp.csr_matrix(sp.diags(1.0 / np.maximum(sums, 1.0)) @ x, dtype=np.float32)
     else:
-        sums = x.sum(axis=1, keepdims=True)
-        x = (x / np.where(sums != 0, sums, 1)).astype(np.float32)
+        x = (x.toarray() if sp.issparse(x) else x).astype(np.float64) - low
+        x = (x / np.maximum(x.sum(axis=1, keepdims=True), 1.0)).astype(np.float32)
     return GraphData(graph.name, graph.num_nodes, graph.edge_index, x, graph.edge_weight, graph.y,
                      graph.train_mask, graph.val_mask, graph.test_mask)
