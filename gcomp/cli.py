@@ -382,7 +382,8 @@ def _train(args, comm=None) -> int:
             raise GcompError(f"graph {graph.name!r} has no node features")
         args.in_channels = graph.num_features
         args.out_channels = int(graph.y.max()) + 1
-        args.edge_weight = False
+        # a weighted graph's weights go to the model that takes them (bundled: GCN)
+        args.edge_weight = graph.edge_weight is not None and args.model == "gcn"
         def build():
             return compile_model(_model_from_args(args), args.target, train=True,
                                  optimizer=_optimizer_from_args(args), arch=_arch_from_args(args),
@@ -395,6 +396,10 @@ def _train(args, comm=None) -> int:
             art = in_turn(comm, build)
     compile_s = time.perf_counter() - t0
     lead = comm is None or comm.rank == 0  # the rank that prints
+    if (graph.edge_weight is not None and lead
+            and not any(i["role"] == "edge" for i in art.plan.inputs)):
+        print(f"gcomp: note: the model takes no edge weights; the edge_weight of graph "
+              f"{graph.name!r} is not used", file=sys.stderr)
     if comm is None:
         trainer = Trainer(art, graph, seed=args.seed, reorder=args.reorder, formats=args.format)
     else:
@@ -640,11 +645,15 @@ def _training_flags(p) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gcomp", description="An optimizing compiler for GNNs.")
+    # no abbreviated options: a prefix such as --edge-weight would be taken for
+    # --edge-weight-input, with a confusing error about that option
+    p = argparse.ArgumentParser(prog="gcomp", description="An optimizing compiler for GNNs.",
+                                allow_abbrev=False)
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = p.add_subparsers(dest="command", required=True)
 
-    c = sub.add_parser("compile", help="compile a model into an artifact")
+    c = sub.add_parser("compile", allow_abbrev=False,
+                       help="compile a model into an artifact")
     c.add_argument("model", help="bundled model (gcn, sage, gin, gat, ggnn) or an .onnx file")
     c.add_argument("-t", "--target", default="llvm", choices=["llvm", "cuda"])
     c.add_argument("-o", "--output", required=True, help="artifact path (.gcomp)")
@@ -665,7 +674,8 @@ def _parser() -> argparse.ArgumentParser:
     _pass_flags(c)
     c.set_defaults(func=cmd_compile)
 
-    e = sub.add_parser("explain", help="show the compiler's decisions and the numbers behind them")
+    e = sub.add_parser("explain", allow_abbrev=False,
+                       help="show the compiler's decisions and the numbers behind them")
     e.add_argument("model", help="bundled model (gcn, sage, gin, gat, ggnn) or an .onnx file")
     e.add_argument("-t", "--target", default="llvm", choices=["llvm", "cuda"])
     e.add_argument("--graph", default=None, help="also show the decisions for this graph")
@@ -678,7 +688,8 @@ def _parser() -> argparse.ArgumentParser:
     _training_flags(e)
     e.set_defaults(func=cmd_explain)
 
-    o = sub.add_parser("opt", help="run passes on an IR file (replays reproducers)")
+    o = sub.add_parser("opt", allow_abbrev=False,
+                       help="run passes on an IR file (replays reproducers)")
     o.add_argument("file", help="IR text (gcomp's printed form)")
     o.add_argument("--passes", default=None,
                    help="comma-separated pass names (default: the reproducer header's, run "
@@ -690,7 +701,8 @@ def _parser() -> argparse.ArgumentParser:
     _pass_flags(o)
     o.set_defaults(func=cmd_opt)
 
-    t = sub.add_parser("train", help="train a model on a graph")
+    t = sub.add_parser("train", allow_abbrev=False,
+                       help="train a model on a graph")
     t.add_argument("model", help="bundled model (gcn, sage, gin, gat, ggnn), an .onnx file or "
                                  "a --train artifact")
     _role_flags(t)
@@ -725,7 +737,8 @@ def _parser() -> argparse.ArgumentParser:
     _training_flags(t)
     t.set_defaults(func=cmd_train)
 
-    r = sub.add_parser("run", help="run an artifact on a graph")
+    r = sub.add_parser("run", allow_abbrev=False,
+                       help="run an artifact on a graph")
     r.add_argument("artifact")
     r.add_argument("--graph", required=True, help="graph .npz or a bundled dataset (cora, citeseer)")
     r.add_argument("--features", default=None, help="node features .npy (default: the graph's x)")
@@ -734,13 +747,15 @@ def _parser() -> argparse.ArgumentParser:
     _reorder_flag(r)
     r.set_defaults(func=cmd_run)
 
-    i = sub.add_parser("info", help="describe an artifact")
+    i = sub.add_parser("info", allow_abbrev=False,
+                       help="describe an artifact")
     i.add_argument("artifact")
     i.add_argument("--json", action="store_true")
     i.add_argument("--graph", default=None, help="also report the planned memory for this graph")
     i.set_defaults(func=cmd_info)
 
-    pa = sub.add_parser("partition", help="split a graph across ranks and report the cost")
+    pa = sub.add_parser("partition", allow_abbrev=False,
+                        help="split a graph across ranks and report the cost")
     pa.add_argument("graph", help="graph .npz or a bundled name")
     pa.add_argument("-k", "--parts", type=int, required=True, help="number of parts (ranks)")
     pa.add_argument("--method", default="auto", choices=["auto", "metis", "range", "random"])

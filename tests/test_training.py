@@ -247,6 +247,35 @@ def test_cli_train_json(capsys, tmp_path):
     assert rc == 0 and json.loads(capsys.readouterr().out.splitlines()[-1])["step"] == 5
 
 
+def test_cli_train_uses_a_weighted_graphs_edge_weights(capsys, tmp_path):
+    """``gcomp train gcn`` on a graph file with edge_weight trains the weighted GCN (its
+    losses are a --edge-weight artifact's, not the unweighted model's); a model without
+    edge weights says it does not use them; an abbreviated flag is not taken for another."""
+    g = load_graph("cora")
+    w = np.random.default_rng(0).uniform(0.01, 5.0, g.num_edges).astype(np.float32)
+    arrays = dict(edge_index=g.edge_index, x=g.dense_x(), y=g.y, train_mask=g.train_mask,
+                  val_mask=g.val_mask, test_mask=g.test_mask)
+    np.savez(tmp_path / "w.npz", edge_weight=w, **arrays)
+    np.savez(tmp_path / "u.npz", **arrays)
+
+    def loss(*argv):
+        capsys.readouterr()
+        assert main(["train", *argv, "--epochs", "3", "--json"]) == 0
+        out = capsys.readouterr()
+        return json.loads(out.out.splitlines()[-1])["final_loss"], out.err
+    art = tmp_path / "gcn_w.gcomp"
+    assert main(["compile", "gcn", "--in", "1433", "--out", "7", "--train", "--edge-weight",
+                 "-o", str(art)]) == 0
+    weighted, err = loss("gcn", "--graph", str(tmp_path / "w.npz"))
+    assert "not used" not in err
+    assert weighted == loss(str(art), "--graph", str(tmp_path / "w.npz"))[0]
+    assert weighted != loss("gcn", "--graph", str(tmp_path / "u.npz"))[0]
+    assert "takes no edge weights" in loss("sage", "--graph", str(tmp_path / "w.npz"))[1]
+    with pytest.raises(SystemExit):
+        main(["train", "gcn", "--edge-weight", "--graph", "cora"])
+    assert "unrecognized arguments: --edge-weight" in capsys.readouterr().err
+
+
 def test_cli_train_compiled_artifact_and_errors(capsys, tmp_path):
     art = tmp_path / "gcn.gcomp"
     assert main(["compile", "gcn", "--in", "1433", "--out", "7", "--train", "--lr", "0.02",
