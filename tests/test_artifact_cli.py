@@ -28,6 +28,35 @@ def gcn_art(tmp_path_factory):
     return path
 
 
+@pytest.mark.parametrize("specialized", [False, True])
+def test_a_graph_given_new_arrays_is_bound_again(specialized):
+    """A service that keeps one GraphData and assigns it new edges (or a new node count)
+    gets results on them: the binding is reused only for the same arrays (it computed on
+    the old edges, with the same features or, compiled for a graph, with new ones)."""
+    from conftest import awkward_graph
+    from gcomp.runtime.data import GraphData
+    m = models.build("gcn", 8, hidden=6, out_channels=3, edge_weight=True)
+    rng = np.random.default_rng(0)
+    g0 = awkward_graph(num_nodes=50, num_edges=200, num_features=8, seed=1, edge_weight=True)
+    art = compile_model(m, graph=g0 if specialized else None)
+    g = GraphData("svc", 50, g0.edge_index, g0.x, g0.edge_weight)
+    x = g0.dense_x()
+
+    def check(x):
+        ref = interpret(m.graph, ref_inputs(m.graph, g, x), m.params)[0]
+        assert rel_err(art.run(g, {"x": x})[0], ref) <= 1e-5
+    check(x)
+    g.edge_index = rng.integers(0, 50, (2, 300))
+    g.edge_weight = rng.random(300).astype(np.float32)
+    check(x)
+    g.edge_weight = rng.random(300).astype(np.float32)  # new weights alone
+    check(x)
+    x80 = rng.standard_normal((80, 8)).astype(np.float32)
+    g.num_nodes, g.edge_index, g.x = 80, rng.integers(0, 80, (2, 120)), x80
+    g.edge_weight = rng.random(120).astype(np.float32)
+    check(x80)
+
+
 def test_saved_artifact_runs_and_matches_reference(gcn_art):
     art = artifact.load(gcn_art)
     m = models.build("gcn", 1433, hidden=16, out_channels=7)  # same seed: same parameters

@@ -44,6 +44,10 @@ from gcomp.runtime.plan import FEED_PARTS, NONFINITE, Plan
 from gcomp.runtime.reorder import choose_order, inverse, rcm_order, relabel
 
 
+def _edge_arrays(graph: GraphData) -> tuple:
+    return graph.edge_index, graph.edge_weight
+
+
 @dataclass
 class Binding:
     graph: GraphData
@@ -62,6 +66,9 @@ class Binding:
     plan_steps: list = field(default_factory=list)  # the plan step of each entry of steps
     reads: set = field(default_factory=set)  # buffers the bound steps use (feed skips others)
     choices: tuple = ()  # the executor's reorder, formats and forced variants when bound
+    # the graph's node count and edge arrays when bound (held: their ids stay theirs): a
+    # GraphData given new arrays is bound again
+    arrays: tuple = ()
     # node input -> {"need": alignment, "uses": [(list, index, arg, shape, own tensor)]}:
     # where the kernels may read it in the caller's array (Executor._in_place_uses)
     in_place: dict = field(default_factory=dict)
@@ -289,9 +296,11 @@ class Executor:
         choices (``reorder``, ``formats``, ``force_variants``) unless ``again``."""
         b = self._binding
         choices = (self.reorder, self.formats, tuple(sorted(self.force_variants.items())))
-        if not again and b is not None and b.graph is graph and b.choices == choices and all(
-                b.features_src.get(k) == id(v) for k, v in (features or {}).items()
-                if k in b.features_src):
+        if (not again and b is not None and b.graph is graph and b.choices == choices
+                and len(b.arrays) == 3 and b.arrays[0] == graph.num_nodes
+                and all(x is y for x, y in zip(b.arrays[1:], _edge_arrays(graph)))
+                and all(b.features_src.get(k) == id(v) for k, v in (features or {}).items()
+                        if k in b.features_src)):
             return b
         t0 = time.perf_counter()
         user_graph, user_features = graph, features
@@ -375,6 +384,7 @@ class Executor:
                       for src in v.get("sources", [v["input"]])}
         b = Binding(user_graph, structures, sizes, buffers, memory=memory.summary(),
                     variants=active, features_src=bound_from, order=order,
+                    arrays=(user_graph.num_nodes, *_edge_arrays(user_graph)),
                     reorder=lay.reorder, formats=lay.formats, choices=choices)
         for inp in self.plan.inputs:
             if inp["role"] == "edge":
