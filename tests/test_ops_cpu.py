@@ -160,6 +160,31 @@ def test_polynomial_math_is_accurate_per_element(op):
     assert err.max() <= 4e-7, (op, float(err.max()), float(xd[err.argmax(), 0]))
 
 
+@pytest.mark.parametrize("op", ["relu", "leaky_relu", "elu", "exp", "sigmoid", "tanh",
+                                "maximum", "minimum", "relu_fused"])
+def test_nan_propagates_like_torch(op):
+    """A NaN (a diverged parameter, an overflow) stays NaN through the activations, as in
+    torch and the interpreter: relu as max(x, 0), min/max clamps in exp, sigmoid and tanh
+    gave finite numbers.  ``relu_fused``: a bias and relu in an aggregation's epilogue.
+    A NaN in one column of a parameter row leaves the other columns exact."""
+    def fn(x, g, w, b):
+        h = x + b
+        if op == "relu_fused":
+            return (g.aggregate(x) + b).relu()
+        if op in ("maximum", "minimum"):
+            return (maximum if op == "maximum" else minimum)(h, x * 0.5)
+        return UNARY[op](h)
+    m = trace(Fn(fn, params=[(6,)]), {"x": NodeInput(6), "edge_index": GraphInput()})
+    name = next(iter(m.params))
+    m.params[name] = np.array([np.nan, 0.5, -0.5, 1.0, 0.0, 2.0], np.float32)
+    g = awkward_graph(num_nodes=30, num_edges=90, num_features=6, seed=4)
+    out = compile_model(m).run(g)[0]
+    ref = interpret(m.graph, ref_inputs(m.graph, g), m.params)[0]
+    assert np.array_equal(np.isnan(out), np.isnan(ref)) and np.isnan(ref).any()
+    ok = np.isfinite(ref)
+    assert rel_err(out[ok], ref[ok]) <= 1e-5
+
+
 @pytest.mark.parametrize("op", ["add", "sub", "mul", "div", "maximum", "minimum"])
 @pytest.mark.parametrize("other", ["node", "row", "col", "scalar_param", "const"])
 def test_binary_broadcasting(op, other):

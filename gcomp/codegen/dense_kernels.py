@@ -17,7 +17,7 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as IB
 
 from gcomp.codegen import epilogue as epi
-from gcomp.codegen.fastmath import fast_exp, fast_tanh
+from gcomp.codegen.fastmath import fast_exp, fast_tanh, lanes_of, like
 from gcomp.codegen.kernels import arg, definer, stored_bf16
 from gcomp.errors import CompileError
 
@@ -55,12 +55,20 @@ def _f32(v):
     return tirx.const(float(v), "float32")
 
 
+def _is_nan(x):
+    """Whether float32 ``x`` (scalar or vector) is a NaN, from its bits: LLVM may fold a
+    comparison of x with itself away (the kernels' float arithmetic assumes no NaN)."""
+    lanes = lanes_of(x)
+    i32 = "int32" + (f"x{lanes}" if lanes > 1 else "")
+    return (tirx.reinterpret(i32, x) & 0x7FFFFFFF) > 0x7F800000
+
+
 def _apply(op: str, attrs: dict, args):
     x = args[0]
     if op == "elementwise_grad":  # x is the incoming gradient (fused into its producer)
         return _grad_expr(attrs["op"], attrs["wrt"], attrs, x, args[1:])
-    if op == "relu":
-        return tirx.max(x, _f32(0))
+    if op == "relu":  # a NaN stays NaN (as torch's): max(x, 0) would give 0
+        return tirx.Select(x < _f32(0), like(x, 0.0), x)
     if op == "leaky_relu":
         return tirx.Select(x > _f32(0), x, x * _f32(attrs["alpha"]))
     if op == "elu":
@@ -88,10 +96,11 @@ def _apply(op: str, attrs: dict, args):
         return x * y
     if op == "div":
         return x / y
-    if op == "maximum":
-        return tirx.max(x, y)
-    if op == "minimum":
-        return tirx.min(x, y)
+    if op in ("maximum", "minimum"):  # NaN in either gives NaN, as torch.maximum
+        lanes = max(lanes_of(x), lanes_of(y))
+        x, y = (v if lanes_of(v) == lanes else tirx.Broadcast(v, lanes) for v in (x, y))
+        wins = x > y if op == "maximum" else x < y
+        return tirx.Select(tirx.Or(wins, _is_nan(x)), x, y)
     raise ValueError(op)
 
 
