@@ -420,6 +420,9 @@ def _train(args, comm=None) -> int:
                                      method=args.partition, hosts=args.hosts)
     if args.resume:
         trainer.load(args.resume, checkpoint)
+    if args.best_val and not trainer.val_mask.any():
+        raise GcompError(f"--best-val reports the epoch of best validation accuracy; graph "
+                         f"{graph.name!r} has no labelled validation node (val_mask)")
     progress = _Progress(args.epochs, sys.stderr.isatty() and not args.json and lead)
     times, loss = [], float("nan")
     best = {"best_val_acc": None, "best_test_acc": None, "best_epoch": None}
@@ -440,9 +443,12 @@ def _train(args, comm=None) -> int:
         if args.checkpoint and args.save_every and epoch % args.save_every == 0:
             trainer.save(args.checkpoint)
     progress.close()
+    ev = trainer.evaluate()
+    if not math.isfinite(ev["loss"]):  # the last update diverged: its logits are not numbers
+        raise GcompError(f"the loss became {ev['loss']} after the last step (epoch "
+                         f"{args.epochs}); lower --lr")
     if args.checkpoint:
         trainer.save(args.checkpoint)
-    ev = trainer.evaluate()
     result = {
         "model": art.manifest["model"].get("name"), "graph": graph.name, "epochs": args.epochs,
         "final_loss": loss, "eval_loss": ev["loss"], "train_acc": ev["train_acc"],

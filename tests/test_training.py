@@ -3,6 +3,7 @@ checkpoints resume exactly, the CLI reports what it promises."""
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -72,14 +73,20 @@ def test_op_gradients_equal_the_interpreter(op):
     compiled_vs_interpreted(m, g, 3)
 
 
-def test_sgd_momentum_follows_torch():
+@pytest.mark.parametrize("settings", [dict(momentum=0.9, weight_decay=1e-3),
+                                      dict(momentum=0.9, dampening=0.3, weight_decay=1e-3),
+                                      dict(momentum=0.9, nesterov=True),
+                                      dict(momentum=0.0, dampening=0.5)])
+def test_sgd_momentum_follows_torch(settings):
+    """SGD's updates are torch.optim.SGD's, fed the same gradients: momentum, dampening
+    (ignored without momentum, as torch does), Nesterov, weight decay."""
     torch = pytest.importorskip("torch")
     g = labelled(awkward_graph(num_nodes=40, num_edges=200, num_features=5, seed=1), 3)
     m = models.build("sage", 5, hidden=6, out_channels=3, layers=2)
-    cfg = OptimizerConfig(name="sgd", lr=0.05, momentum=0.9, weight_decay=1e-3)
+    cfg = OptimizerConfig(name="sgd", lr=0.05, **settings)
     tr = Trainer(compile_model(m, train=True, optimizer=cfg), g)
     ref = {k: torch.tensor(v.astype(np.float64), requires_grad=True) for k, v in m.params.items()}
-    opt = torch.optim.SGD(list(ref.values()), lr=0.05, momentum=0.9, weight_decay=1e-3)
+    opt = torch.optim.SGD(list(ref.values()), lr=0.05, **settings)
     for _ in range(5):
         tr.step()
         for k, v in ref.items():  # feed our gradients to torch's optimizer
@@ -87,6 +94,13 @@ def test_sgd_momentum_follows_torch():
         opt.step()
         for k, v in tr.parameters().items():
             assert np.allclose(v, ref[k].detach().numpy(), rtol=1e-5, atol=1e-6), k
+
+
+def test_nesterov_needs_momentum_and_no_dampening():
+    from gcomp.errors import CompileError
+    for bad in (dict(nesterov=True), dict(nesterov=True, momentum=0.9, dampening=0.1)):
+        with pytest.raises(CompileError, match="nesterov needs a momentum > 0"):
+            OptimizerConfig(name="sgd", **bad)
 
 
 def test_checkpoint_resume_gives_the_same_losses(tmp_path):
@@ -276,6 +290,24 @@ def test_cli_train_uses_a_weighted_graphs_edge_weights(capsys, tmp_path):
     assert "unrecognized arguments: --edge-weight" in capsys.readouterr().err
 
 
+def test_cli_train_refuses_best_val_without_validation_and_a_diverged_last_step(
+        capsys, tmp_path):
+    """--best-val on a graph without validation nodes is an error (it reported the
+    untrained model as best); a last update that makes the loss NaN is reported as the
+    others are (accuracies of NaN logits were printed), and no checkpoint is written."""
+    g = load_graph("cora")
+    np.savez(tmp_path / "noval.npz", edge_index=g.edge_index, x=g.dense_x(), y=g.y,
+             train_mask=g.train_mask, test_mask=g.test_mask)
+    capsys.readouterr()
+    assert main(["train", "gcn", "--graph", str(tmp_path / "noval.npz"), "--epochs", "2",
+                 "--best-val"]) == 2
+    assert "no labelled validation node" in capsys.readouterr().err
+    ck = tmp_path / "ck.npz"
+    assert main(["train", "gcn", "--graph", "cora", "--epochs", "1", "--optimizer", "sgd",
+                 "--lr", "1e30", "--checkpoint", str(ck)]) == 2
+    assert "after the last step (epoch 1)" in capsys.readouterr().err and not ck.exists()
+
+
 def test_cli_train_compiled_artifact_and_errors(capsys, tmp_path):
     art = tmp_path / "gcn.gcomp"
     assert main(["compile", "gcn", "--in", "1433", "--out", "7", "--train", "--lr", "0.02",
@@ -362,6 +394,52 @@ def test_normalize_features_is_pygs(kind):
     ref = T.NormalizeFeatures()(Data(x=torch.from_numpy(x.copy()))).x.numpy()
     got = got.toarray() if sp.issparse(got) else got
     assert got.dtype == np.float32 and np.abs(got - ref).max() <= 1e-6
+
+
+def test_set_parameters_takes_exact_shapes_and_finite_values():
+    """Trainer.set_parameters writes what it is given (the next step's loss is the
+    interpreter's with those weights) and refuses, naming the parameter, a transposed
+    weight of the right size, a wrong size, NaN, an unknown name or optimizer state, all
+    before writing any."""
+    from gcomp.errors import InputError
+    g = awkward_graph(num_nodes=60, num_edges=200, num_features=5)
+    g.y = np.random.default_rng(0).integers(0, 3, 60)
+    m = models.build("gcn", 5, hidden=4, out_channels=3)
+    tr = Trainer(compile_model(m, train=True), g)
+    new = {k: np.random.default_rng(1).standard_normal(v.shape).astype(np.float32)
+           for k, v in tr.parameters().items()}
+    tr.set_parameters(new)
+    assert all(np.array_equal(tr.parameters()[k], v) for k, v in new.items())
+    w = "convs.0.lin.weight"
+    before = tr.parameters()
+    for bad, msg in (({w: new[w].T}, "has shape [5, 4], the value given [4, 5]"),
+                     ({w: new[w].ravel()}, "the value given [20]"),
+                     ({"convs.0.bias": np.full(4, np.nan)}, "NaN or Inf"),
+                     ({"convs.0.bias": new["convs.0.bias"], "nope": 1.0},
+                      "'nope' is not a parameter"),
+                     ({"opt.m.convs.0.bias": np.zeros(4)}, "is not a parameter")):
+        with pytest.raises(InputError, match=re.escape(msg)):
+            tr.set_parameters(bad)
+    assert all(np.array_equal(tr.parameters()[k], v) for k, v in before.items())
+
+
+def test_labels_and_masks_as_lists_and_a_bad_seed():
+    """A GraphData built in Python with lists for labels, masks and features trains as
+    with arrays (reordered too); a negative seed is named, not a numpy traceback."""
+    from gcomp.errors import InputError
+    from gcomp.runtime.data import GraphData
+    g = awkward_graph(num_nodes=60, num_edges=200, num_features=5)
+    y = np.random.default_rng(0).integers(0, 3, 60)
+    mask = np.random.default_rng(1).random(60) < 0.5
+    art = compile_model(models.build("gcn", 5, hidden=4, out_channels=3), train=True)
+    listed = GraphData("l", 60, g.edge_index, g.dense_x().tolist(), y=y.tolist(),
+                       train_mask=mask.tolist())
+    arrays = GraphData("a", 60, g.edge_index, g.dense_x(), y=y, train_mask=mask)
+    a, b = (Trainer(art, h, reorder="rcm") for h in (listed, arrays))
+    assert a.step() == b.step() and a.step() == b.step()
+    for seed in (-1, 1.5, "0"):
+        with pytest.raises(InputError, match="seed must be a non-negative integer"):
+            Trainer(art, arrays, seed=seed)
 
 
 def test_citeseer_unlabelled_nodes_never_count():

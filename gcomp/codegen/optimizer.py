@@ -53,11 +53,16 @@ class OptimizerConfig:
         if self.name == "adam" and (self.momentum or self.dampening or self.nesterov):
             raise CompileError("momentum, dampening and nesterov are sgd's; adam has beta1 "
                                "and beta2 (--optimizer sgd to use them)")
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise CompileError("nesterov needs a momentum > 0 and no dampening (as "
+                               "torch.optim.SGD)")
 
     def hparams(self) -> list[float]:
         if self.name == "adam":
             return [self.lr, self.beta1, self.beta2, self.eps, self.weight_decay]
-        return [self.lr, self.momentum, self.dampening, self.weight_decay, float(self.nesterov)]
+        # without momentum torch ignores dampening (the update is the gradient itself)
+        dampening = self.dampening if self.momentum else 0.0
+        return [self.lr, self.momentum, dampening, self.weight_decay, float(self.nesterov)]
 
     def to_json(self) -> dict:
         return asdict(self)

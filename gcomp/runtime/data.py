@@ -50,7 +50,9 @@ class GraphData:
 
     def dense_x(self) -> np.ndarray:
         if self.x is None:
-            raise InputError(f"graph {self.name!r} has no node features; pass them with --features")
+            raise InputError(f"graph {self.name!r} has no node features (x, or CSR "
+                             f"x_indptr/x_indices/x_data/x_shape in a graph file; gcomp run "
+                             f"also takes --features)")
         if sp.issparse(self.x):
             return np.asarray(self.x.todense(), dtype=np.float32)
         return self.x
@@ -167,28 +169,40 @@ def check_graph(g: GraphData) -> GraphData:
         if w is not g.edge_weight:
             new["edge_weight"] = w
     if g.x is not None:
-        if sp.issparse(g.x):
-            check_sparse(g.x, f"{g.name}: x")
-        elif np.ndim(g.x) != 2:
+        x = g.x
+        if sp.issparse(x):
+            check_sparse(x, f"{g.name}: x")
+        elif not isinstance(x, np.ndarray):  # a list, a torch tensor: numpy's view of it
+            x = new["x"] = np.asarray(x)
+        if not sp.issparse(x) and x.ndim != 2:
             raise InputError(f"{g.name}: x must be a 2-D [nodes, features] array, got shape "
-                             f"{np.shape(g.x)}")
-        if g.x.shape[0] != n:
-            raise InputError(f"{g.name}: x has {g.x.shape[0]} rows but the graph has {n} nodes")
-    _check_labels_and_masks(g, n)
+                             f"{x.shape}")
+        if x.shape[0] != n:
+            raise InputError(f"{g.name}: x has {x.shape[0]} rows but the graph has {n} nodes")
+    new.update(_check_labels_and_masks(g, n))
     return dataclasses.replace(g, **new) if new else g
 
 
-def _check_labels_and_masks(g: GraphData, n: int) -> None:
-    """``g``'s labels (if any) are ``n`` integers and its masks ``n`` booleans."""
+def _check_labels_and_masks(g: GraphData, n: int) -> dict:
+    """``g``'s labels (if any) are ``n`` integers and its masks ``n`` booleans; those given
+    as other sequences (a list), as numpy arrays."""
+    new = {}
     if g.y is not None:
         y = np.asarray(g.y)
         if y.shape != (n,) or y.dtype.kind not in "iu":
             raise InputError(f"{g.name}: y must be {n} integer labels, got {y.dtype} {y.shape}")
+        if y is not g.y:
+            new["y"] = y
     for m in ("train_mask", "val_mask", "test_mask"):
         v = getattr(g, m)
-        if v is not None and (np.shape(v) != (n,) or np.asarray(v).dtype != bool):
-            raise InputError(f"{g.name}: {m} must be {n} booleans, got "
-                             f"{np.asarray(v).dtype} {np.shape(v)}")
+        if v is None:
+            continue
+        a = np.asarray(v)
+        if a.shape != (n,) or a.dtype != bool:
+            raise InputError(f"{g.name}: {m} must be {n} booleans, got {a.dtype} {a.shape}")
+        if a is not v:
+            new[m] = a
+    return new
 
 
 def _load_npz(path: Path) -> dict:

@@ -84,6 +84,8 @@ class Trainer:
         ``formats`` the adjacency format (``runtime/formats.py``)."""
         require_training(artifact)
         graph = check_graph(graph)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise InputError(f"seed must be a non-negative integer, got {seed!r}")
         self.artifact = artifact
         self.graph = graph
         self.seed = int(seed)
@@ -175,8 +177,28 @@ class Trainer:
         return {k: self.train_ex.get(k) for k in self.artifact.train_plan.params}
 
     def set_parameters(self, params: dict[str, np.ndarray]) -> None:
+        """Overwrite some of the model's parameters; each value must be finite and of the
+        parameter's exact shape (a transposed [out, in] torch weight of the same size is
+        refused, not reshaped).  Optimizer state is not a parameter."""
+        names = self.artifact.train_plan.params
+        checked = {}
         for k, v in params.items():
-            self.train_ex.set(k, v)
+            if k not in names:
+                raise InputError(f"{k!r} is not a parameter of the model; its parameters: "
+                                 f"{', '.join(names)}")
+            shape = tuple(self.train_ex.get(k).shape)
+            try:
+                a = np.asarray(v, dtype=np.float32)
+            except (TypeError, ValueError) as e:
+                raise InputError(f"parameter {k!r}: not an array of numbers ({e})") from None
+            if a.shape != shape:
+                raise InputError(f"parameter {k!r} has shape {list(shape)}, the value given "
+                                 f"{list(a.shape)}")
+            if not np.isfinite(a).all():
+                raise InputError(f"parameter {k!r}: the value given holds NaN or Inf")
+            checked[k] = a
+        for k, a in checked.items():  # all or none
+            self.train_ex.set(k, a)
 
     # ------------------------------------------------------------------ checkpoints
     def _fingerprint(self) -> str:
