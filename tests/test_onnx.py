@@ -401,6 +401,19 @@ def test_missing_roles():
     _raises(_aggregation(), "not an input", roles={"edge_index": "nope"})
 
 
+def test_named_roles_must_fit_their_inputs():
+    """An input named for a role it cannot play, or for two roles, is refused naming it
+    (it failed later, deep in the import, or said the model had no such input)."""
+    _raises(_aggregation(), "input 'x' is named for two roles",
+            roles={"features": "x", "edge_weight": "x"})
+    _raises(_aggregation(), "the edge_index input x: float[N, 4] is not an integer",
+            roles={"edge_index": "x"})
+    _raises(_aggregation(), "the features input edge_index: int[2, E] is not a float",
+            roles={"features": "edge_index"})
+    _raises(_aggregation(), "is not a float [num_edges] vector",
+            roles={"edge_weight": "edge_index"})
+
+
 def test_ambiguous_features():
     proto = _aggregation()
     proto.graph.input.append(_vi("y2", TensorProto.FLOAT, ["N", 4]))

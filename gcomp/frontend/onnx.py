@@ -190,6 +190,17 @@ def assign_roles(inputs, roles: dict | None, weights_as_inputs: bool = False) ->
                 dims[0] in node_dims and dims[0] not in edge_dims)
         return kind == "float" and len(dims) == 2 and dims[0] == dims[1] and dims[0] != "?"
 
+    by_name = {i.name: i for i in inputs}
+    named: dict = {}
+    for role, nm in roles.items():  # what the user named must fit the role it is named for
+        if nm in named:
+            raise ModelImportError(f"input {nm!r} is named for two roles, {named[nm]} and "
+                                   f"{role}; each input plays one")
+        named[nm] = role
+        if info[nm][1] is not None and not fits(role, nm):
+            raise ModelImportError(f"the {role} input {_describe([by_name[nm]])} is not "
+                                   f"{_WANT[role]}")
+
     out = dict(roles)
     taken = set(roles.values())
     for role in ("edge_index", "edge_weight", "features", "adjacency"):
@@ -226,6 +237,12 @@ def assign_roles(inputs, roles: dict | None, weights_as_inputs: bool = False) ->
                                "gcomp models take features, edge_index and edge_weight inputs"
                                f"{why}{hint}")
     return out
+
+
+_WANT = {"features": "a float [num_nodes, F] tensor",
+         "edge_index": "an integer [2, num_edges] (or [num_edges, 2]) tensor",
+         "edge_weight": "a float [num_edges] vector",
+         "adjacency": "a float [num_nodes, num_nodes] matrix"}
 
 
 def _describe(inputs) -> str:
