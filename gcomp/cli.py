@@ -36,6 +36,11 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
+def _files(*paths) -> list[Path]:
+    """The given paths that exist (the inputs an output must not replace)."""
+    return [Path(p) for p in paths if p and Path(p).exists()]
+
+
 def _check_output_path(out: Path, inputs: list[Path], kind: str,
                        suffixes: tuple[str, ...] | None = None) -> None:
     """Refuse to write over an input of this command, or to a file not named as the arrays
@@ -84,9 +89,10 @@ def _optimizer_from_args(args):
 def cmd_compile(args) -> int:
     from gcomp.compiler import compile_model
     from gcomp.runtime.artifact import FORMAT
+    from gcomp.runtime.data import graph_file
 
     out = Path(args.output)
-    _check_output_path(out, [Path(args.model)], "artifact")
+    _check_output_path(out, _files(args.model, graph_file(args.graph)), "artifact")
     if out.exists() and not args.force:
         import zipfile
         try:
@@ -257,10 +263,10 @@ def cmd_run(args) -> int:
     import numpy as np
 
     from gcomp.runtime import artifact
-    from gcomp.runtime.data import load_features, load_graph
+    from gcomp.runtime.data import graph_file, load_features, load_graph
 
     out = Path(args.out)
-    inputs = [Path(args.artifact)] + ([Path(args.graph)] if Path(args.graph).exists() else [])
+    inputs = _files(args.artifact, graph_file(args.graph))
     if args.features:
         inputs.append(Path(args.features))
     _check_output_path(out, inputs, "output", (".npy", ".npz"))
@@ -333,7 +339,7 @@ def _train(args, comm=None) -> int:
     import numpy as np
 
     from gcomp.runtime import artifact as artifact_mod
-    from gcomp.runtime.data import load_graph, normalize_features
+    from gcomp.runtime.data import graph_file, load_graph, normalize_features
     from gcomp.runtime.trainer import Trainer
 
     if args.epochs < 0:
@@ -356,7 +362,7 @@ def _train(args, comm=None) -> int:
                              f"them): compile again with these flags, or train a bundled model "
                              f"or .onnx file with them")
     if args.checkpoint:  # before training: a result that cannot be written is lost
-        inputs = [Path(p) for p in (args.model, args.graph, args.parts) if p and Path(p).exists()]
+        inputs = _files(args.model, graph_file(args.graph), args.parts)
         _check_output_path(Path(args.checkpoint), inputs, "checkpoint")
         writable_dir(args.checkpoint, "checkpoint")
     checkpoint = None
@@ -485,12 +491,12 @@ def _train(args, comm=None) -> int:
 # ---------------------------------------------------------------------- partition
 def cmd_partition(args) -> int:
     from gcomp.distributed.partition import format_report, timed_partition
-    from gcomp.runtime.data import load_graph
+    from gcomp.runtime.data import graph_file, load_graph
 
     graph = load_graph(args.graph)
     out = Path(args.out) if args.out else None
     if out is not None:
-        _check_output_path(out, [Path(args.graph)], "partition", (".npy",))
+        _check_output_path(out, _files(graph_file(args.graph)), "partition", (".npy",))
     parts, rep = timed_partition(graph, args.parts, method=args.method, hosts=args.hosts,
                                  balance=args.balance, seed=args.seed)
     if out is not None:

@@ -230,6 +230,24 @@ def test_cli_refuses_to_overwrite_inputs(gcn_art, tmp_path, capsys):
     assert ".npy or .npz" in err and user_file.read_text() == "mine"
     err = _err(["partition", "cora", "-k", "2", "--out", str(user_file)], capsys)
     assert ".npy" in err and user_file.read_text() == "mine"
+    # a --graph is an input too, with --force, and a bundled dataset's own file
+    before = Path(g).read_bytes()
+    err = _err(["compile", "gcn", "--in", "1433", "--out", "7", "--graph", g, "-o", g,
+                "--force"], capsys)
+    assert "is an input" in err and Path(g).read_bytes() == before
+
+
+def test_cli_refuses_to_overwrite_a_bundled_dataset(gcn_art, tmp_path, capsys, monkeypatch):
+    import shutil
+    from gcomp.runtime import data
+    cora = tmp_path / "cora.npz"  # the bundled file, copied: the real one is never at risk
+    shutil.copy(data.BUNDLED["cora"], cora)
+    monkeypatch.setitem(data.BUNDLED, "cora", cora)
+    before = cora.read_bytes()
+    for argv in (["run", str(gcn_art), "--graph", "cora", "--out", str(cora)],
+                 ["train", "gcn", "--graph", "cora", "--epochs", "1", "--checkpoint", str(cora)]):
+        assert "is an input" in _err(argv, capsys)
+    assert cora.read_bytes() == before
 
 
 def test_cli_other_errors(gcn_art, tmp_path, capsys):

@@ -217,6 +217,16 @@ def _load_npz(path: Path) -> dict:
         raise InputError(f"cannot read graph file {str(path)!r} as .npz: {e}") from None
 
 
+def graph_file(spec: str | Path | None) -> Path | None:
+    """The file ``load_graph(spec)`` reads (a bundled dataset's own), or None (a synthetic
+    graph, or no such file): what an output must not be written over."""
+    if spec is None:
+        return None
+    key = str(spec).lower()
+    path = BUNDLED.get(key, Path(spec))
+    return path if path.exists() else None
+
+
 def load_graph(spec: str | Path) -> GraphData:
     """Load a bundled dataset (``cora``, ``citeseer``) or a graph ``.npz`` file."""
     key = str(spec).lower()
