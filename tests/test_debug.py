@@ -312,6 +312,15 @@ def test_explain_reports_decisions_with_numbers(capsys):
     assert "computed once per bound graph (hoisted): self_loops" in capsys.readouterr().out
 
 
+def test_explain_of_a_graph_without_features(capsys, tmp_path):
+    """A graph file with edges and a node count but no features (given when it runs)."""
+    import numpy as np
+    g = tmp_path / "nox.npz"
+    np.savez(g, edge_index=np.random.default_rng(0).integers(0, 50, (2, 200)), num_nodes=50)
+    assert main(["explain", "gcn", "--in", "8", "--out", "3", "--graph", str(g)]) == 0
+    assert "this graph has no features" in capsys.readouterr().out
+
+
 def test_explain_says_how_out_edges_are_aggregated(capsys):
     """A 3-layer GCN's training step aggregates over out-edges three times (each layer's
     backward): gathers over the CSC arrays, or on CUDA with memory preferred scatters with

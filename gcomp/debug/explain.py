@@ -184,8 +184,10 @@ def render(report: dict) -> str:
         if "computed_from" in s:
             line += (f"; values computed from {', '.join(s['computed_from'])}: their sparsity "
                      "is measured when they are fed")
-        elif "chosen" in s:
+        elif s.get("graph_sparsity") is not None:
             line += f"; this graph: sparsity {s['graph_sparsity']:.4f} -> {s['chosen']} kernels"
+        elif "chosen" in s:
+            line += "; this graph has no features (they are given when it runs)"
         lines.append(line)
     for label, p in report.get("precision", {}).items():
         kept = "; ".join(f"{b} ({why})" for b, why in p["kept_float32"].items()) or "none"
