@@ -57,6 +57,25 @@ def test_a_graph_given_new_arrays_is_bound_again(specialized):
     check(x80)
 
 
+@pytest.mark.parametrize("reorder", ["none", "degree"])
+def test_features_of_the_wrong_shape_are_named_before_binding(reorder):
+    """Features from Python with other rows than the graph's nodes, or one axis, are an
+    InputError when the graph is bound (the layout and variant choices read them first:
+    TVM, numpy or scipy tracebacks); a list of rows is numpy's view of it."""
+    from conftest import awkward_graph
+    from gcomp.errors import InputError
+    m = models.build("gcn", 6, hidden=4, out_channels=3)
+    art = compile_model(m)
+    art.executor().reorder = reorder
+    g = awkward_graph(num_nodes=40, num_edges=150, num_features=6, seed=5)
+    x = g.dense_x()
+    for bad in (np.vstack([x, x[:3]]), x[:-3], x[:, 0], x[:3].tolist()):
+        with pytest.raises(InputError, match="input 'x' must be \\[N, F\\] with N = 40"):
+            art.run(g, {"x": bad})
+    ref = interpret(m.graph, ref_inputs(m.graph, g), m.params)[0]
+    assert rel_err(art.run(g, {"x": x.tolist()})[0], ref) <= 1e-5
+
+
 def test_saved_artifact_runs_and_matches_reference(gcn_art):
     art = artifact.load(gcn_art)
     m = models.build("gcn", 1433, hidden=16, out_channels=7)  # same seed: same parameters

@@ -44,6 +44,23 @@ from gcomp.runtime.plan import FEED_PARTS, NONFINITE, Plan
 from gcomp.runtime.reorder import choose_order, inverse, rcm_order, relabel
 
 
+def _feature_arrays(features: dict | None, n: int, ranks: dict) -> dict | None:
+    """Node inputs as arrays (a list: numpy's view of it) of a row per node and the rank
+    ``ranks`` gives their name, before the graph's layout and variants read their
+    statistics (values are checked when fed)."""
+    if not features:
+        return features
+    out = {}
+    for k, v in features.items():
+        a = v if sp.issparse(v) or isinstance(v, np.ndarray) else np.asarray(v)
+        if a.shape[:1] != (n,) or a.ndim != ranks.get(k, a.ndim):
+            want = "[N, F]" if ranks.get(k) == 2 else "a row per node"
+            raise InputError(f"input {k!r} must be {want} with N = {n} (the graph's nodes), "
+                             f"got shape {tuple(a.shape)}")
+        out[k] = a
+    return out
+
+
 def _edge_arrays(graph: GraphData) -> tuple:
     return graph.edge_index, graph.edge_weight
 
@@ -305,6 +322,9 @@ class Executor:
         t0 = time.perf_counter()
         user_graph, user_features = graph, features
         graph = check_graph(graph)
+        features = _feature_arrays(features, graph.num_nodes,
+                                   {i["name"]: len(i["dims"]) for i in self.plan.inputs
+                                    if i["role"] == "node"})
         lay = decide_layout(self.plan, graph, features, self.reorder, self.formats,
                             self._structures, gpu=not self.on_cpu)
         order, graph, features, structures, sizes = (lay.order, lay.graph, lay.features,
