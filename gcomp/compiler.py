@@ -27,7 +27,16 @@ from gcomp.ir.printer import print_graph
 from gcomp.model import Model
 from gcomp.passes import PassContext, default_pipeline, training_pipeline
 from gcomp.runtime.artifact import Artifact, new_manifest
-from gcomp.runtime.cpu_features import AMX_MATTR, host_has_amx
+from gcomp.runtime.cpu_features import AMX_MATTR, host_has_amx, missing_features
+
+
+def _measurable(tgt: dict) -> dict:
+    """The target the calibrations compile for and time on this machine: ``tgt``, or for
+    a CPU (``--mcpu``) with instructions this one lacks, this CPU (the kernels compiled for
+    the other would stop with an illegal instruction here; this one's costs stand in)."""
+    if tgt["kind"] == "llvm" and missing_features(tgt["mcpu"]):
+        return make_target("llvm")
+    return tgt
 
 
 def _set_thresholds(plans, tgt: dict, fixed: float | None) -> None:
@@ -162,12 +171,13 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
         add_optimizer(train_plan, tspecs, opt, one_kernel=tgt["kind"] == "cuda")
         specs = {**specs, **tspecs}
         ir["training"] = print_graph(tgraph, show_meta=True)
-    _set_thresholds([plan, train_plan], tgt, sparse_threshold)
+    measured = _measurable(tgt)
+    _set_thresholds([plan, train_plan], measured, sparse_threshold)
     _add_feed_kernels([plan, train_plan], specs, tgt)
     if tgt["kind"] == "cuda":
         split_hub_rows([plan, train_plan], specs)
         specs = _used(specs, [plan, train_plan])
-    _set_format_costs([plan, train_plan], tgt)
+    _set_format_costs([plan, train_plan], measured)
     if graph is not None:
         for p in (plan, train_plan):
             if p is not None:

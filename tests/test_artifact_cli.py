@@ -541,6 +541,22 @@ def test_concurrent_runs_of_one_artifact_take_turns(small_gcn):
     assert rel_err(outs[0], ref) <= 1e-4
 
 
+def test_an_artifact_for_a_cpu_with_instructions_this_one_lacks(tmp_path, capsys):
+    """--mcpu naming a CPU with vector instructions this one lacks compiles (the
+    calibrations time this CPU's kernels: the other's died here with SIGILL), and loading
+    the artifact here is refused naming them, where its kernels would stop the process."""
+    from gcomp.runtime.cpu_features import missing_features
+    if not missing_features("diamondrapids"):
+        pytest.skip("this CPU has diamondrapids' instructions")
+    out = tmp_path / "dmr.gcomp"
+    assert main(["compile", "gcn", "--in", "1433", "--out", "7", "--train", "--mcpu",
+                 "diamondrapids", "-o", str(out)]) == 0
+    capsys.readouterr()
+    err = _err(["run", str(out), "--graph", "cora", "--out", str(tmp_path / "y.npy")], capsys)
+    assert "compiled for CPU 'diamondrapids', whose instructions this CPU lacks" in err
+    assert main(["info", str(out)]) == 0  # described, not run
+
+
 def test_cli_refusals_of_settings(tmp_path, capsys):
     out = str(tmp_path / "a.gcomp")
     assert "unknown CPU 'bogus'" in _err(["compile", "gcn", "--mcpu", "bogus", "-o", out], capsys)

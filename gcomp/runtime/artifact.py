@@ -32,7 +32,7 @@ import numpy as np
 from gcomp import __version__
 from gcomp.errors import ArtifactError
 from gcomp.files import write_atomic
-from gcomp.runtime.cpu_features import enable_amx
+from gcomp.runtime.cpu_features import enable_amx, missing_features
 from gcomp.runtime.plan import HUB_TASKS_VERSION, PLAN_VERSION, Plan, kernel_kind
 
 FORMAT = "gcomp-artifact"
@@ -136,6 +136,14 @@ class Artifact:
             import tvm
             if self.target.get("kind") == "cuda":
                 load_cuda_runtime()
+            if self.target.get("kind") == "llvm" and self.target.get("mcpu"):
+                lacks = missing_features(self.target["mcpu"])
+                if lacks:
+                    raise ArtifactError(
+                        f"this artifact was compiled for CPU {self.target['mcpu']!r}, whose "
+                        f"instructions this CPU lacks ({', '.join(lacks)}): its kernels would "
+                        f"stop with an illegal instruction; compile it here (gcomp compile "
+                        f"targets this CPU unless --mcpu names another)")
             if "amx" in self.manifest.get("cpu_features", []):
                 why = enable_amx()
                 if why is not None:

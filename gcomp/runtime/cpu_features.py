@@ -1,4 +1,5 @@
-"""What this CPU and OS allow beyond the instructions a target names: AMX tiles.
+"""What this CPU and OS allow beyond the instructions a target names: AMX tiles, and the
+vector instructions of a CPU another artifact was compiled for (``--mcpu``).
 
 An artifact compiled with ``--precision bf16`` on a CPU with AMX-BF16 runs its dense
 products on tiles (``gcomp/codegen/amx_kernels.py``).  LLVM may not name such a CPU
@@ -48,3 +49,26 @@ def enable_amx() -> str | None:
     if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) != 0:
         return f"Linux refused the AMX tile state (arch_prctl errno {ctypes.get_errno()})"
     return None
+
+
+# LLVM's names of the vector instruction sets a library compiled for a CPU with them uses
+# freely (AMX only where gcomp calls it: the manifest's cpu_features, checked apart)
+_ISA_PREFIXES = ("avx", "fma", "f16c", "vaes", "vpclmulqdq", "gfni")
+
+
+def _norm(name: str) -> str:
+    return name.replace("_", "").replace("-", "").replace(".", "").lower()
+
+
+@lru_cache(maxsize=None)
+def missing_features(mcpu: str) -> tuple[str, ...]:
+    """The vector instruction sets LLVM gives CPU ``mcpu`` that this CPU's flags lack
+    (``/proc/cpuinfo``; nothing where they cannot be read): code compiled for ``mcpu``
+    may stop here with an illegal instruction."""
+    if platform.machine() != "x86_64" or not host_flags():
+        return ()
+    import tvm
+    feats = tvm.get_global_func("target.llvm_get_cpu_features")(
+        tvm.target.Target({"kind": "llvm", "mcpu": mcpu}))
+    have = {_norm(f) for f in host_flags()}
+    return tuple(sorted(f for f in feats if f.startswith(_ISA_PREFIXES) and _norm(f) not in have))
