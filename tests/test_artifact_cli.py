@@ -123,6 +123,7 @@ def test_corrupt_member_is_detected(gcn_art, tmp_path):
     ("plan_version", 99, "plan of version 99; .* runs plans up to version 3"),
     ("tvm_version", "0.1.0", "built with TVM 0.1.0"),
     ("format", "something-else", "not a gcomp artifact"),
+    ("target", "llvm", "names no llvm or cuda target"),
 ])
 def test_version_and_format_checks(gcn_art, tmp_path, field, value, msg):
     bad = tmp_path / "v.gcomp"
@@ -132,6 +133,51 @@ def test_version_and_format_checks(gcn_art, tmp_path, field, value, msg):
         man[field] = value
         m["manifest.json"] = json.dumps(man).encode()
     _rewrite(gcn_art, bad, edit)
+    with pytest.raises(ArtifactError, match=msg):
+        artifact.load(bad)
+
+
+def _rehashed(src: Path, dst: Path, name: str, edit) -> None:
+    """``src`` with member ``name`` edited and the manifest's digest of it made to match
+    (a writer other than gcomp's, or gcomp's of another build)."""
+    import hashlib
+
+    def change(m):
+        m[name] = edit(m[name])
+        man = json.loads(m["manifest.json"])
+        man["files"][name] = hashlib.sha256(m[name]).hexdigest()
+        m["manifest.json"] = json.dumps(man).encode()
+    _rewrite(src, dst, change)
+
+
+def _params_npz(arrays: dict) -> bytes:
+    import io
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+def _params_of(blob: bytes) -> dict:
+    import io
+    with np.load(io.BytesIO(blob)) as z:
+        return {k: z[k] for k in z.files}
+
+
+@pytest.mark.parametrize("name,edit,msg", [
+    ("plan.json", lambda b: b"{not json", "plan.json is not a plan"),
+    ("plan.json", lambda b: b"{}", "a plan without outputs or steps"),
+    ("params.npz", lambda b: b"garbage", "corrupt: params.npz"),
+    ("params.npz", lambda b: _params_npz({k: v for k, v in _params_of(b).items()
+                                          if k != "convs.0.lin.weight"}),
+     "parameter 'convs.0.lin.weight' is missing"),
+    ("params.npz", lambda b: _params_npz({**_params_of(b), "convs.0.lin.weight":
+                                          np.zeros((3, 16), np.float32)}),
+     "parameter 'convs.0.lin.weight' has shape \\[3, 16\\], its plan says \\[1433, 16\\]"),
+])
+def test_members_consistent_with_their_digest_but_not_each_other(gcn_art, tmp_path, name,
+                                                                 edit, msg):
+    bad = tmp_path / "c.gcomp"
+    _rehashed(gcn_art, bad, name, edit)
     with pytest.raises(ArtifactError, match=msg):
         artifact.load(bad)
 

@@ -237,6 +237,21 @@ def new_manifest(model: dict, signature: dict, target: dict, ops: dict,
     }
 
 
+def _check_plans(path: Path, plans: list, params: dict) -> None:
+    """Each plan has outputs and steps, and a value of its shape for each parameter."""
+    for p in plans:
+        if not p.outputs or not p.steps:
+            raise ArtifactError(f"{str(path)!r} is corrupt: a plan without outputs or steps")
+        for name in p.params:
+            buf = p.buffers.get(name)
+            if name not in params or buf is None:
+                raise ArtifactError(f"{str(path)!r} is corrupt: parameter {name!r} is missing")
+            want = tuple(int(d) for d in buf["dims"])
+            if params[name].shape != want:
+                raise ArtifactError(f"{str(path)!r} is corrupt: parameter {name!r} has shape "
+                                    f"{list(params[name].shape)}, its plan says {list(want)}")
+
+
 def load(path: str | Path) -> Artifact:
     """Open and check an artifact; raises ArtifactError naming what is wrong."""
     path = Path(path)
@@ -286,9 +301,19 @@ def load(path: str | Path) -> Artifact:
         for required in ("plan.json", "params.npz", LIB_NAME):
             if required not in data:
                 raise ArtifactError(f"{str(path)!r} is corrupt: the manifest lists no {required}")
-    plan = Plan.from_json(json.loads(data["plan.json"]))
-    train_plan = (Plan.from_json(json.loads(data["train_plan.json"]))
-                  if "train_plan.json" in data else None)
+    target = manifest.get("target")
+    if not isinstance(target, dict) or target.get("kind") not in ("llvm", "cuda"):
+        raise ArtifactError(f"{str(path)!r} is corrupt: its manifest names no llvm or cuda "
+                            f"target (target {target!r})")
+    plans = {}
+    for name in ("plan.json", "train_plan.json"):
+        if name in data:
+            try:
+                plans[name] = Plan.from_json(json.loads(data[name]))
+            except (ValueError, TypeError) as e:
+                raise ArtifactError(f"{str(path)!r} is corrupt: {name} is not a plan: "
+                                    f"{e}") from None
+    plan, train_plan = plans["plan.json"], plans.get("train_plan.json")
     if plan_version < HUB_TASKS_VERSION and any(
             a.get("array", "").endswith("hub_tasks") for p in (plan, train_plan) if p
             for s in p.bind_steps + p.feed_steps + p.steps for a in s["args"]):
@@ -296,7 +321,11 @@ def load(path: str | Path) -> Artifact:
                             "kernels read hub tasks without their row; this gcomp "
                             f"({__version__}) binds graphs for version {PLAN_VERSION}: recompile "
                             "the model")
-    with np.load(io.BytesIO(data["params.npz"]), allow_pickle=False) as z:
-        params = {k: np.array(z[k], dtype=np.float32) for k in z.files}
+    try:
+        with np.load(io.BytesIO(data["params.npz"]), allow_pickle=False) as z:
+            params = {k: np.array(z[k], dtype=np.float32) for k in z.files}
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
+        raise ArtifactError(f"{str(path)!r} is corrupt: params.npz: {e}") from None
+    _check_plans(path, [p for p in (plan, train_plan) if p], params)
     ir = {n[3:-3]: data[n].decode() for n in data if n.startswith("ir/")}
     return Artifact(manifest, plan, params, data[LIB_NAME], ir, train_plan)
