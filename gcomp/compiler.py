@@ -27,7 +27,8 @@ from gcomp.ir.printer import print_graph
 from gcomp.model import Model
 from gcomp.passes import PassContext, default_pipeline, training_pipeline
 from gcomp.runtime.artifact import Artifact, new_manifest
-from gcomp.runtime.cpu_features import AMX_MATTR, host_has_amx, missing_features
+from gcomp.runtime.cpu_features import (AMX_MATTR, host_has_amx, isa_features,
+                                        missing_features)
 
 
 def _measurable(tgt: dict) -> dict:
@@ -193,7 +194,8 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
     manifest = new_manifest({"name": model.name, **model.config}, model.signature(), tgt, ops,
                             device_code_format=device_code_format(tgt),
                             optimizer=opt.to_json() if opt else None, precision=precision,
-                            cpu_features=cpu_features)
+                            cpu_features=cpu_features,
+                            isa=isa_features(tgt["mcpu"]) if tgt["kind"] == "llvm" else ())
     art = Artifact(manifest, plan, params, lib_path.read_bytes(), ir, train_plan)
     art.graphs = {"inference": ir_graph, "training": tgraph if train else None}  # not saved
     art.specs = specs  # not saved either: what gcomp.debug.cuda_emulator runs

@@ -32,7 +32,7 @@ import numpy as np
 from gcomp import __version__
 from gcomp.errors import ArtifactError
 from gcomp.files import write_atomic
-from gcomp.runtime.cpu_features import enable_amx, missing_features
+from gcomp.runtime.cpu_features import enable_amx, missing
 from gcomp.runtime.plan import HUB_TASKS_VERSION, PLAN_VERSION, Plan, kernel_kind
 
 FORMAT = "gcomp-artifact"
@@ -136,14 +136,13 @@ class Artifact:
             import tvm
             if self.target.get("kind") == "cuda":
                 load_cuda_runtime()
-            if self.target.get("kind") == "llvm" and self.target.get("mcpu"):
-                lacks = missing_features(self.target["mcpu"])
-                if lacks:
-                    raise ArtifactError(
-                        f"this artifact was compiled for CPU {self.target['mcpu']!r}, whose "
-                        f"instructions this CPU lacks ({', '.join(lacks)}): its kernels would "
-                        f"stop with an illegal instruction; compile it here (gcomp compile "
-                        f"targets this CPU unless --mcpu names another)")
+            lacks = missing(self.manifest.get("isa", []))
+            if lacks:
+                raise ArtifactError(
+                    f"this artifact was compiled for CPU {self.target.get('mcpu')!r}, whose "
+                    f"instructions this CPU lacks ({', '.join(lacks)}): its kernels would "
+                    f"stop with an illegal instruction; compile it here (gcomp compile "
+                    f"targets this CPU unless --mcpu names another)")
             if "amx" in self.manifest.get("cpu_features", []):
                 why = enable_amx()
                 if why is not None:
@@ -219,7 +218,8 @@ def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
 
 def new_manifest(model: dict, signature: dict, target: dict, ops: dict,
                  device_code_format: str | None = None, optimizer: dict | None = None,
-                 precision: str = "fp32", cpu_features: list | None = None) -> dict:
+                 precision: str = "fp32", cpu_features: list | None = None,
+                 isa=()) -> dict:
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -234,6 +234,7 @@ def new_manifest(model: dict, signature: dict, target: dict, ops: dict,
         "optimizer": optimizer,
         "precision": precision,
         "cpu_features": list(cpu_features or []),  # beyond the target's: "amx" tiles
+        "isa": list(isa),  # the target CPU's vector instruction sets (LLVM's names)
     }
 
 

@@ -61,14 +61,24 @@ def _norm(name: str) -> str:
 
 
 @lru_cache(maxsize=None)
-def missing_features(mcpu: str) -> tuple[str, ...]:
-    """The vector instruction sets LLVM gives CPU ``mcpu`` that this CPU's flags lack
-    (``/proc/cpuinfo``; nothing where they cannot be read): code compiled for ``mcpu``
-    may stop here with an illegal instruction."""
-    if platform.machine() != "x86_64" or not host_flags():
-        return ()
+def isa_features(mcpu: str) -> tuple[str, ...]:
+    """The vector instruction sets LLVM gives CPU ``mcpu`` (needs TVM's compiler: the
+    compiler records them in the manifest, where a runtime-only process reads them)."""
     import tvm
     feats = tvm.get_global_func("target.llvm_get_cpu_features")(
         tvm.target.Target({"kind": "llvm", "mcpu": mcpu}))
+    return tuple(sorted(f for f in feats if f.startswith(_ISA_PREFIXES)))
+
+
+def missing(features) -> tuple[str, ...]:
+    """Those of LLVM's instruction sets ``features`` this CPU's flags lack (``/proc/
+    cpuinfo``; none where they cannot be read): code that uses them may stop here with an
+    illegal instruction."""
+    if platform.machine() != "x86_64" or not host_flags():
+        return ()
     have = {_norm(f) for f in host_flags()}
-    return tuple(sorted(f for f in feats if f.startswith(_ISA_PREFIXES) and _norm(f) not in have))
+    return tuple(f for f in features if _norm(f) not in have)
+
+
+def missing_features(mcpu: str) -> tuple[str, ...]:
+    return missing(isa_features(mcpu))
