@@ -99,7 +99,9 @@ def import_proto(proto, roles: dict | None = None, name: str = "onnx_model",
 
     ir = Graph(_ir_name(name))
     em = Emitter(ir, Lin.atom("N"))
-    interp = Interp(em)
+    em.producers = {out: f"ONNX node {n.name or '(unnamed)'!r} ({n.op_type})"
+                    for n in g.node for out in n.output if out}
+    interp = Interp(em, _opset(proto))
     _bind_inputs(interp, inputs, assigned)
     for t in g.initializer:
         arr = onnx.numpy_helper.to_array(t)

@@ -45,9 +45,10 @@ _ONNX_DTYPE = {1: "float32", 2: "uint8", 3: "int8", 5: "int16", 6: "int32", 7: "
 class Interp:
     """Abstract interpreter state: ONNX tensor name -> value, and the IR emitter."""
 
-    def __init__(self, emitter: Emitter):
+    def __init__(self, emitter: Emitter, opset: int | None = None):
         self.em = emitter
         self.env: dict[str, Value] = {}
+        self.opset = opset  # the model's default-domain opset, for messages
 
     @property
     def n(self) -> Lin:
@@ -59,8 +60,10 @@ class Interp:
             where = f"ONNX node {node.name or '(unnamed)'!r} ({node.op_type})"
             if fn is None:
                 dom = f" in domain {node.domain!r}" if node.domain not in ("", "ai.onnx") else ""
-                raise ModelImportError(f"{where}: op {node.op_type}{dom} is not supported by "
-                                       "gcomp's ONNX importer (docs/onnx.md lists the ops)")
+                at = f" at opset {self.opset}" if self.opset else ""
+                raise ModelImportError(f"{where}: op {node.op_type}{dom}{at} is not supported "
+                                       f"by gcomp's ONNX importer; supported: "
+                                       f"{', '.join(sorted(TRANSFER))}")
             ins = [self.env[i] if i else None for i in node.input]
             try:
                 outs = fn(self, node, ins)

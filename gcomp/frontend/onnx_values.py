@@ -486,6 +486,9 @@ class Emitter:
         self.graphs: dict[str, GraphDesc] = {}
         self._param_nodes: dict[tuple, Node] = {}
         self._scalars: dict[float, Node] = {}
+        # ONNX tensor name -> "ONNX node 'name' (Op)" that computes it: values are emitted
+        # after the nodes ran, so an emission error names its node through this
+        self.producers: dict[str, str] = {}
 
     # ------------------------------------------------------------ graphs
     def intern(self, key: str, kind: str, parent: GraphDesc | None, num_edges: Dim) -> GraphDesc:
@@ -601,8 +604,11 @@ class Emitter:
                 node = v.pat.emit(self, v)
             except ModelImportError as e:
                 msg = str(e)
-                if v.origin and not msg.startswith("tensor "):
-                    msg = f"tensor {v.origin!r}: {msg}"
+                if msg.startswith("%"):  # the IR refused what was built: gcomp's limit
+                    msg = f"not supported by gcomp's ONNX importer here ({msg})"
+                if v.origin and not msg.startswith(("tensor ", "ONNX node")):
+                    where = self.producers.get(v.origin)
+                    msg = f"{where + ', ' if where else ''}tensor {v.origin!r}: {msg}"
                 raise ModelImportError(msg) from None
             self._check(node, v)
             v.ir = node
