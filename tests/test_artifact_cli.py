@@ -165,7 +165,7 @@ def _params_of(blob: bytes) -> dict:
 
 @pytest.mark.parametrize("name,edit,msg", [
     ("plan.json", lambda b: b"{not json", "plan.json is not a plan"),
-    ("plan.json", lambda b: b"{}", "a plan without outputs or steps"),
+    ("plan.json", lambda b: b"{}", "a plan without outputs"),
     ("params.npz", lambda b: b"garbage", "corrupt: params.npz"),
     ("params.npz", lambda b: _params_npz({k: v for k, v in _params_of(b).items()
                                           if k != "convs.0.lin.weight"}),

@@ -239,10 +239,11 @@ def new_manifest(model: dict, signature: dict, target: dict, ops: dict,
 
 
 def _check_plans(path: Path, plans: list, params: dict) -> None:
-    """Each plan has outputs and steps, and a value of its shape for each parameter."""
+    """Each plan has outputs (its steps may all run once per feed: an aggregation of the
+    features alone), and a value of its shape for each parameter."""
     for p in plans:
-        if not p.outputs or not p.steps:
-            raise ArtifactError(f"{str(path)!r} is corrupt: a plan without outputs or steps")
+        if not p.outputs:
+            raise ArtifactError(f"{str(path)!r} is corrupt: a plan without outputs")
         for name in p.params:
             buf = p.buffers.get(name)
             if name not in params or buf is None:
