@@ -97,7 +97,7 @@ def test_one_kernel_updates_every_parameter_as_the_per_parameter_kernels(name):
     steps (Adam with L2 weight decay; SGD with momentum, dampening and Nesterov)."""
     from gcomp.codegen.optimizer import OptimizerConfig
     sizes = [12, 1, 40, 7]
-    sgd = {"momentum": 0.9, "dampening": 0.1, "nesterov": True} if name == "sgd" else {}
+    sgd = {"momentum": 0.9, "nesterov": True} if name == "sgd" else {}  # torch: no dampening
     cfg = OptimizerConfig(name=name, lr=0.05, weight_decay=0.01, **sgd)
     hp = np.array(cfg.hparams(), np.float32)
     nmom = 2 if name == "adam" else 1
