@@ -183,14 +183,21 @@ def test_cli_train_json_is_valid_json_without_numbers_to_report(tmp_path, capsys
     path = tmp_path / "g.npz"
     np.savez(path, edge_index=g.edge_index, x=g.x, y=g.y, train_mask=g.train_mask,
              val_mask=g.val_mask, test_mask=g.test_mask)
-    assert main(["train", str(art), "--graph", str(path), "--epochs", "0", "--json",
-                 "--best-val"]) == 0
+    assert main(["train", str(art), "--graph", str(path), "--epochs", "0", "--json"]) == 0
 
     def no_nan(c):
         raise AssertionError(f"{c} in the JSON")
     r = json.loads(capsys.readouterr().out.splitlines()[-1], parse_constant=no_nan)
-    assert r["final_loss"] is None and r["val_acc"] is None and r["best_epoch"] is None
+    assert r["final_loss"] is None and r["val_acc"] is None and "best_epoch" not in r
     assert r["test_acc"] is not None
+
+    g.val_mask = ~g.train_mask  # no epoch, so no best one
+    np.savez(path, edge_index=g.edge_index, x=g.x, y=g.y, train_mask=g.train_mask,
+             val_mask=g.val_mask, test_mask=g.test_mask)
+    assert main(["train", str(art), "--graph", str(path), "--epochs", "0", "--json",
+                 "--best-val"]) == 0
+    r = json.loads(capsys.readouterr().out.splitlines()[-1], parse_constant=no_nan)
+    assert r["best_epoch"] is None and r["best_val_acc"] is None and r["val_acc"] is not None
 
 
 def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
