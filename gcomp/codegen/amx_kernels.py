@@ -36,7 +36,7 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
 from gcomp.codegen import epilogue as epi
-from gcomp.codegen.cpu_kernels import _features, _prefetch_line, _row_range
+from gcomp.codegen.cpu_kernels import _features, _prefetch_share, _row_range
 from gcomp.codegen.kernels import arg, definer, stored_bf16
 
 ROWS = 16      # rows of an x tile and of a sums tile
@@ -220,24 +220,6 @@ def _pack_transposed(ypk, y, p, r0, n, M: int, Q: int) -> None:
                            [p, 2 * c + 1, lanes])
 
 
-def _prefetch_share(views, first, n, share, shares: int) -> None:
-    """Prefetch into L2 part ``share`` of ``shares`` of the lines of the SUPER rows from
-    ``first`` (clamped to ``n - 1``) of each (buffer, values a cache line) in ``views``."""
-    row_lines = [-(-int(buf.shape[1]) // per) for buf, per in views]
-    total = sum(row_lines)
-    each = -(-SUPER * total // shares)
-    with T.serial(0, each) as u:
-        line = share * each + u
-        row = tirx.min(first + line // total, n - 1)
-        q = line % total
-        start = 0
-        for (buf, per), k in zip(views, row_lines):
-            with T.If(tirx.all(start <= q, q < start + k)):
-                with T.Then():
-                    _prefetch_line(buf, row, (q - start) * per, locality=2)
-            start += k
-
-
 def tn_shape(K: int, M: int, gathered: bool = False) -> tuple[int, int, int] | None:
     """(padded M, padded K, k columns per pass) of the weight-gradient kernel, or None
     where its tiles do not fit or it is slower: out.T = y.T @ x is computed, y.T in M / 16
@@ -355,8 +337,6 @@ def matmul_tn_amx(K: int, M: int, chunks: int):
             out = arg("out", (K, M), f32)
             xr, yr = (T.decl_buffer(b.shape, "uint16", data=b.data) if stored_bf16(name)
                       else None for b, name in ((x, "x"), (y, "y")))
-            # rows prefetched by their bits where stored as bfloat16 (32 a cache line)
-            lines = [(b, 16) if r is None else (r, 32) for b, r in ((x, xr), (y, yr))]
             part = T.alloc_buffer((P, MP, KP), f32)
             ypk = T.alloc_buffer((P, MP, Q), u32)   # y.T, pairs of rows
             xpk = T.alloc_buffer((P, Q, KP), u32)   # x, pairs of rows
@@ -382,8 +362,9 @@ def matmul_tn_amx(K: int, M: int, chunks: int):
                                                         + kc * KC + c * COLS),
                                         tirx.const(4 * KP, "int64"))
                         for sub in range(SUPER // 32):
-                            _prefetch_share(lines, r0 + SUPER, n, kc * (SUPER // 32) + sub,
-                                            (KP // KC) * (SUPER // 32))
+                            _prefetch_share([(x, K), (y, M)], r0 + SUPER, SUPER, n,
+                                            kc * (SUPER // 32) + sub,
+                                            (KP // KC) * (SUPER // 32), locality=2)
                             for a in range(NA):
                                 _intrin("llvm.x86.tileloadd64", _tile(NA * NK + a),
                                         ypk.access_ptr("r", offset=(p * MP + a * COLS) * Q

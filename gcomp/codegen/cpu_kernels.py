@@ -197,15 +197,17 @@ def _prefetch(x, row, width: int, locality: int = 3) -> None:
         _prefetch_line(x, row, width - 1, locality=locality)
 
 
-def _prefetch_share(arrays, first, rows: int, n, share, shares: int) -> None:
+def _prefetch_share(arrays, first, rows: int, n, share, shares: int,
+                    locality: int = 3) -> None:
     """Prefetch part ``share`` of ``shares`` of the lines of rows ``first .. first + rows -
     1`` of each (array, width[, write]) in ``arrays`` (rows past ``n - 1`` clamp to it;
-    ``write``: for writing).  Called once per share while the work before those rows
-    runs, it spreads their prefetches over that work: all of a block's lines asked for at
-    once overran the core's queue of outstanding misses and most were dropped (the weight
-    gradient 128 x 32 on arxiv-size rows, AMD EPYC Zen 3: 21.1 -> 11.7 ms; 32 x 32 5.1 ->
-    3.2; the row-group matmul below on the Intel Xeon)."""
-    per_row = [(a[0], (a[1] + VEC - 1) // VEC, len(a) > 2 and a[2]) for a in arrays]
+    ``write``: for writing; ``locality`` as ``_prefetch_line``'s).  Called once per share
+    while the work before those rows runs, it spreads their prefetches over that work:
+    all of a block's lines asked for at once overran the core's queue of outstanding
+    misses and most were dropped (the weight gradient 128 x 32 on arxiv-size rows, AMD
+    EPYC Zen 3: 21.1 -> 11.7 ms; 32 x 32 5.1 -> 3.2; the row-group matmul below on the
+    Intel Xeon)."""
+    per_row = [(a[0], -(-a[1] // _per_line(a[0])), len(a) > 2 and a[2]) for a in arrays]
     row_lines = sum(lines for _, lines, _ in per_row)
     each = -(-rows * row_lines // shares)
     with T.serial(0, each) as u:
@@ -216,7 +218,7 @@ def _prefetch_share(arrays, first, rows: int, n, share, shares: int) -> None:
             start = 0
             for a, lines, write in per_row:
                 with _if(tirx.all(start <= q, q < start + lines)):
-                    _prefetch_line(a, row, (q - start) * VEC, write)
+                    _prefetch_line(a, row, (q - start) * _per_line(a), write, locality)
                 start += lines
 
 
