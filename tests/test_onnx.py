@@ -163,6 +163,43 @@ def test_a_value_gcomp_cannot_express_names_its_onnx_node(tmp_path):
         import_onnx(path)
 
 
+def test_softmax_over_one_dimensional_edge_scores(tmp_path):
+    """A user's attention layer scoring each edge with one number (``utils.softmax`` of
+    an [E] tensor, the scores squeezed): the exporter wraps its scatters in If nodes and
+    sums the exponentials as a 1-D scatter, which was taken for a weighted degree (the
+    softmax's max then had no softmax to belong to).  Compared with the module itself on
+    a graph with isolated nodes, self loops and repeated edges."""
+    torch = pytest.importorskip("torch")
+    pyg = pytest.importorskip("torch_geometric", reason="exporting needs torch-geometric")
+
+    class Att(pyg.nn.MessagePassing):
+        def __init__(self):
+            super().__init__(aggr="add")
+            self.lin = torch.nn.Linear(4, 3)
+            self.a = torch.nn.Parameter(torch.randn(6))
+
+        def forward(self, x, edge_index):
+            return self.propagate(edge_index, h=self.lin(x))
+
+        def message(self, h_i, h_j, index, ptr, size_i):
+            alpha = torch.nn.functional.leaky_relu((torch.cat([h_i, h_j], -1) * self.a).sum(-1),
+                                                   0.2)
+            return h_j * pyg.utils.softmax(alpha, index, ptr, size_i).unsqueeze(-1)
+    torch.manual_seed(0)
+    net = Att().eval()
+    g = awkward_graph(num_nodes=40, num_edges=150, num_features=4, seed=2)
+    x, ei = torch.from_numpy(g.dense_x()), torch.from_numpy(g.edge_index.astype(np.int64))
+    path = tmp_path / "att.onnx"
+    torch.onnx.export(net, (x[:10], ei[:, :20] % 10), str(path), input_names=["x", "edge_index"],
+                      output_names=["out"], opset_version=17, dynamo=False,
+                      dynamic_axes={"x": {0: "N"}, "edge_index": {1: "E"}})
+    model = import_onnx(path)
+    assert "edge_softmax" in {n.op.value for n in model.graph}
+    with torch.no_grad():  # float64 reference
+        ref = net.double()(x.double(), ei).numpy()
+    assert rel_err(compile_model(model).run(g)[0], ref) <= 1e-5
+
+
 def _ggnn_net(channels: int, in_channels: int):
     """PyG's GatedGraphConv (2 steps, a GRU cell each) with a Linear readout, as a user
     writes a GGNN; ``in_channels`` < ``channels`` pads the features with zeros."""

@@ -587,8 +587,9 @@ def t_scatter_elements(interp, node, ins):
         raise ModelImportError(f"the updates {fmt(upd.shape)} are not one row per edge of the "
                                "graph whose row indexes them")
     zero_init = scalar_of(data) == 0.0
-    if red == "add" and upd.rank == 1 and (isinstance(upd, (Fill, Known)) or
-                                           isinstance(upd, Tensor)):
+    # the sum of a softmax's exponentials, not a weighted degree, even over 1-D scores
+    exps = isinstance(upd, Tensor) and isinstance(upd.tag, ExpShifted) and upd.tag.gd is gd
+    if red == "add" and upd.rank == 1 and not exps and isinstance(upd, (Fill, Known, Tensor)):
         if isinstance(upd, Tensor):
             pat = DegreeExpr(gd, upd, "in" if side == "dst" else "out")
         else:
@@ -605,9 +606,7 @@ def t_scatter_elements(interp, node, ins):
     if side != "dst":
         raise ModelImportError("aggregating at the source of each edge (flow target_to_source) "
                                "is not supported")
-    tag = None
-    if red == "add" and isinstance(upd.tag, ExpShifted) and upd.tag.gd is gd:
-        tag = SumExp(gd, upd.tag.e, upd.tag.s)
+    tag = SumExp(gd, upd.tag.e, upd.tag.s) if red == "add" and exps else None
     if red == "add":
         out = tensor(ScatterRed(gd, "sum", upd), data.shape, tag=tag if zero_init else None)
         if not zero_init:
