@@ -160,11 +160,12 @@ def test_polynomial_math_is_accurate_per_element(op):
     assert err.max() <= 4e-7, (op, float(err.max()), float(xd[err.argmax(), 0]))
 
 
-@pytest.mark.parametrize("op", ["relu", "leaky_relu", "maximum", "minimum", "relu_fused"])
+@pytest.mark.parametrize("op", ["relu", "leaky_relu", "maximum", "minimum", "relu_fused",
+                                "exp", "elu", "sigmoid", "tanh"])
 def test_nan_propagates_like_torch(op):
     """A NaN (a diverged parameter, an overflow) stays NaN through relu, leaky_relu,
-    maximum and minimum, as in torch and the interpreter (relu as max(x, 0) gave 0; the
-    polynomial exp, and elu, sigmoid and tanh on it, still clamp a NaN: fastmath.py).
+    maximum, minimum and the polynomial exp (and elu, sigmoid and tanh on it), as in
+    torch and the interpreter (relu as max(x, 0) gave 0; exp's clamp made a NaN a bound).
     ``relu_fused``: a bias and relu in an aggregation's epilogue.
     A NaN in one column of a parameter row leaves the other columns exact."""
     def fn(x, g, w, b):

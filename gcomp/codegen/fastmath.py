@@ -6,7 +6,7 @@ time there (GGNN's gate kernel on arxiv-synth: 96 ms with ``tanhf``).  ``fast_ex
 is the Cephes single-precision algorithm (range reduction by ln 2, a degree-6
 polynomial, scaling by 2^n through the exponent bits): relative error about 1e-7,
 the float32 epsilon, for inputs in [-87, 88]; smaller inputs give 0 (``expf`` gives
-denormals there), larger are clamped (so is a NaN).  ``fast_tanh`` is Cephes' ``tanhf``: an odd
+denormals there), larger are clamped; a NaN stays NaN on the CPU.  ``fast_tanh`` is Cephes' ``tanhf``: an odd
 polynomial below |x| = 0.625, where 1 - 2 / (exp(2|x|) + 1) would cancel, that form
 above it.
 """
@@ -41,10 +41,11 @@ def fast_exp(x):
     """exp(x) for a float32 PrimExpr (or TE tensor element), scalar or vector (float32xL)."""
     lanes = lanes_of(x)
     suffix = f"x{lanes}" if lanes > 1 else ""
-    # min and max turn a NaN into a bound (torch gives NaN): selects that pass it through
-    # repeat x, and the trees of nested exps grew until GGNN's CUDA training step took over
-    # 300 s to compile instead of 15
-    x = tirx.max(tirx.min(x, _f(88.3762626647950)), _f(-87.3365478515625))
+    # The bound comes first: LLVM lowers min(a, b) as a < b ? a : b, which gives b, here
+    # x, when x is a NaN, so a NaN stays NaN as in torch (CUDA's fminf/fmaxf give the
+    # bound).  Selects that pass a NaN through repeat x, and the trees of nested exps grew
+    # until GGNN's CUDA training step took over 300 s to compile instead of 15.
+    x = tirx.max(_f(-87.3365478515625), tirx.min(_f(88.3762626647950), x))
     fx = tirx.floor(x * _f(LOG2E) + _f(0.5))
     r = x - fx * _f(C1) - fx * _f(C2)
     p = _f(POLY[0])
