@@ -200,6 +200,33 @@ def test_softmax_over_one_dimensional_edge_scores(tmp_path):
     assert rel_err(compile_model(model).run(g)[0], ref) <= 1e-5
 
 
+def test_edges_exported_as_constants_are_named(tmp_path):
+    """GCNConv(cached=True) called before the export keeps the normalized edges; the
+    exporter then stores them as constants and drops the unread edge_index input.  The
+    error says so (it only said to name an edge-index input the model does not have)."""
+    torch = pytest.importorskip("torch")
+    pyg = pytest.importorskip("torch_geometric", reason="exporting needs torch-geometric")
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = pyg.nn.GCNConv(4, 3, cached=True)
+
+        def forward(self, x, edge_index):
+            return self.c(x, edge_index)
+    net = Net().eval()
+    x, ei = torch.randn(6, 4), torch.tensor([[0, 1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 0]])
+    net(x, ei)
+    path = tmp_path / "cached.onnx"
+    torch.onnx.export(net, (x, ei), str(path), input_names=["x", "edge_index"],
+                      output_names=["out"], opset_version=17, dynamo=False,
+                      dynamic_axes={"x": {0: "N"}, "edge_index": {1: "E"}})
+    with pytest.raises(ModelImportError, match=r"no edge-index input .*ONNX node '[^']+' "
+                                               r"\(ScatterElements\) aggregates over edges "
+                                               r"stored in the model as constants.*cached=False"):
+        import_onnx(path)
+
+
 def _ggnn_net(channels: int, in_channels: int):
     """PyG's GatedGraphConv (2 steps, a GRU cell each) with a Linear readout, as a user
     writes a GGNN; ``in_channels`` < ``channels`` pads the features with zeros."""

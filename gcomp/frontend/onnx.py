@@ -95,12 +95,13 @@ def import_proto(proto, roles: dict | None = None, name: str = "onnx_model",
     g = proto.graph
     inits = {t.name: t for t in g.initializer}
     inputs = [i for i in g.input if i.name not in inits]
-    assigned = assign_roles(inputs, roles, weights_as_inputs=not inits)
+    scatters = [n for n in g.node if n.op_type in ("ScatterElements", "ScatterND")]
+    assigned = assign_roles(inputs, roles, weights_as_inputs=not inits,
+                            aggregation=_where(scatters[0]) if scatters else None)
 
     ir = Graph(_ir_name(name))
     em = Emitter(ir, Lin.atom("N"))
-    em.producers = {out: f"ONNX node {n.name or '(unnamed)'!r} ({n.op_type})"
-                    for n in g.node for out in n.output if out}
+    em.producers = {out: _where(n) for n in g.node for out in n.output if out}
     interp = Interp(em, _opset(proto))
     _bind_inputs(interp, inputs, assigned)
     for t in g.initializer:
@@ -133,6 +134,10 @@ def import_proto(proto, roles: dict | None = None, name: str = "onnx_model",
         raise ModelImportError(f"the imported graph is invalid: {e}") from None
 
 
+def _where(node) -> str:
+    return f"ONNX node {node.name or '(unnamed)'!r} ({node.op_type})"
+
+
 # ====================================================================== opset and roles
 def _opset(proto) -> int | None:
     for o in proto.opset_import:
@@ -158,10 +163,12 @@ def _info(vi) -> tuple[str, tuple]:
     return kind, dims
 
 
-def assign_roles(inputs, roles: dict | None, weights_as_inputs: bool = False) -> dict:
+def assign_roles(inputs, roles: dict | None, weights_as_inputs: bool = False,
+                 aggregation: str | None = None) -> dict:
     """role -> ONNX input name, from ``roles`` and then names, ranks, dtypes and the
     exporter's dimension names (an edge-weight vector is not indexed by the nodes).
-    ``weights_as_inputs``: the model has no initializers (errors then say so)."""
+    ``weights_as_inputs``: the model has no initializers; ``aggregation``: the first
+    scatter node, if any (errors then say so)."""
     roles = {k: v for k, v in (roles or {}).items() if v}
     names = [i.name for i in inputs]
     for role, nm in roles.items():
@@ -226,9 +233,13 @@ def assign_roles(inputs, roles: dict | None, weights_as_inputs: bool = False) ->
                                f"input); inputs: {_describe(inputs)}; name it with "
                                "--features-input")
     if "edge_index" not in out and "adjacency" not in out:
+        # an exporter drops an input nothing reads: a cached normalization holds the edges
+        baked = (f"; {aggregation} aggregates over edges stored in the model as constants: "
+                 "a GCNConv(cached=True) called before the export keeps them; export with "
+                 "cached=False, edge_index an argument of forward()" if aggregation else "")
         raise ModelImportError("the model has no edge-index input (an integer [2, num_edges] "
                                f"input); inputs: {_describe(inputs)}; name it with "
-                               "--edge-index-input")
+                               f"--edge-index-input{baked}")
     extra = [n for n in names if n not in out.values()]
     if extra:
         per_node = [n for n in extra if info[n][1] and info[n][1][0] in node_dims]
