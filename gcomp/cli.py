@@ -208,7 +208,7 @@ def _options(args) -> dict:
 
 # ---------------------------------------------------------------------- explain
 def cmd_explain(args) -> int:
-    from gcomp.compiler import compile_model
+    from gcomp.compiler import check_feature_width, compile_model
     from gcomp.debug.explain import explain, render
 
     graph_data = None
@@ -217,6 +217,8 @@ def cmd_explain(args) -> int:
         graph_data = load_graph(args.graph)
     from gcomp.passes import PassContext
     model = _model_from_args(args)
+    if graph_data is not None:  # explain what can run, as compile --graph refuses it
+        check_feature_width(model, graph_data)
     art = compile_model(model, args.target, train=args.train,
                         ctx=PassContext(options=_options(args)),
                         optimizer=_optimizer_from_args(args) if args.train else None,

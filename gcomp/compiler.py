@@ -23,6 +23,7 @@ from gcomp.codegen.optimizer import OptimizerConfig, add_optimizer
 from gcomp.codegen.precision import PRECISIONS, store_bf16
 from gcomp.codegen.specialize import specialize
 from gcomp.errors import CompileError
+from gcomp.ir.ops import Op
 from gcomp.ir.printer import print_graph
 from gcomp.model import Model
 from gcomp.passes import PassContext, default_pipeline, training_pipeline
@@ -113,6 +114,16 @@ def target_formats(tgt: dict) -> tuple:
     return ("dense", "banded", "ell") if tgt["kind"] == "llvm" else ()
 
 
+def check_feature_width(model: Model, graph) -> None:
+    """A CompileError where ``graph``'s features are not as wide as the model's input."""
+    if graph.num_features is None:
+        return
+    for n in model.node_feature_inputs():
+        if len(n.ty.shape) == 2 and n.ty.shape[1] != graph.num_features:
+            raise CompileError(f"graph {graph.name!r} has {graph.num_features} features per "
+                               f"node; the model's input {n.name!r} takes {n.ty.shape[1]}")
+
+
 def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None = None,
                   mcpu: str | None = None, train: bool = False,
                   optimizer: OptimizerConfig | None = None,
@@ -135,12 +146,8 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
     if precision not in PRECISIONS:
         raise CompileError(f"unknown precision {precision!r}; choose one of "
                            f"{', '.join(PRECISIONS)}")
-    if graph is not None and graph.num_features is not None:
-        for n in model.node_feature_inputs():  # before compiling for a graph it cannot run
-            if len(n.ty.shape) == 2 and n.ty.shape[1] != graph.num_features:
-                raise CompileError(f"graph {graph.name!r} has {graph.num_features} features "
-                                   f"per node; the model's input {n.name!r} takes "
-                                   f"{n.ty.shape[1]}")
+    if graph is not None:  # before compiling for a graph it cannot run
+        check_feature_width(model, graph)
     tgt = make_target(target, mcpu=mcpu, arch=arch)
     if precision == "bf16" and tgt["kind"] == "llvm" and mcpu is None and host_has_amx():
         tgt["mattr"] = list(AMX_MATTR)  # LLVM may not know this CPU has them
@@ -153,6 +160,9 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
     ctx = dataclasses.replace(ctx or PassContext(), target=target,
                               tile_products=bool(cpu_features))
     ir_graph = default_pipeline()(model.graph.copy(), ctx)
+    if any(n.op == Op.DROPOUT for n in ir_graph):
+        raise CompileError("inference needs the eval_mode pass (dropout is the identity at "
+                           "inference, not a random mask); do not disable it")
     scatter = ctx.scatters_out_edges()  # memory over reproducibility on a GPU
     plan, specs = lower(ir_graph, formats, scatter, gpu=tgt["kind"] == "cuda")
     for out, named in zip(plan.outputs, model.graph.outputs):

@@ -8,7 +8,7 @@ import numpy as np
 
 from gcomp.errors import IRError
 from gcomp.ir.graph import Graph
-from gcomp.ir.types import TensorType, value_role
+from gcomp.ir.types import GraphType, TensorType, value_role
 from gcomp.ir.verifier import verify
 
 
@@ -20,6 +20,11 @@ class Model:
 
     def __post_init__(self):
         verify(self.graph)
+        graphs = [n.name for n in self.graph.inputs if isinstance(n.ty, GraphType)]
+        if len(graphs) > 1:  # a run binds one GraphData: every graph input would get it
+            raise IRError(f"the model has {len(graphs)} graph inputs "
+                          f"({', '.join(map(repr, graphs))}); gcomp models take one graph "
+                          "(several edge types are not supported)")
         for p in self.graph.params:
             if p.name not in self.params:
                 raise IRError(f"parameter {p.name!r} has no value")

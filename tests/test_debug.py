@@ -280,6 +280,88 @@ def test_training_needs_autodiff():
         compile_model(gcn(), train=True, ctx=PassContext(disabled=frozenset({"autodiff"})))
 
 
+def test_inference_needs_eval_mode():
+    """Without it dropout would draw a random mask at inference (it did, silently)."""
+    m = models.build("gcn", 4, hidden=8, out_channels=3, dropout=0.5)
+    with pytest.raises(GcompError, match="needs the eval_mode pass"):
+        compile_model(m, ctx=PassContext(disabled={"eval_mode"}))
+    compile_model(models.build("gcn", 4, hidden=8, out_channels=3),  # no dropout: no harm
+                  ctx=PassContext(disabled={"eval_mode"}))
+
+
+def test_a_pass_may_run_twice(tmp_path, capsys):
+    f = tmp_path / "g.ir"
+    f.write_text(print_graph(gcn().graph))
+    assert main(["opt", str(f), "--passes", "canonicalize,fuse_aggregate,canonicalize",
+                 "--timing"]) == 0
+    out, err = capsys.readouterr()
+    assert any(n.op == Op.AGGREGATE for n in parse_graph(out))
+    assert err.count("canonicalize") == 2
+
+
+def test_instruments_and_names_given_as_python_values():
+    """One instrument, a comma-separated string of pass names: taken as the CLI takes
+    them (a string was read letter by letter, one instrument was not iterable); unknown
+    names are refused, not matched against nothing."""
+    timing = PassTiming()
+    ctx = PassContext(instruments=timing, disabled="cse,dce")
+    assert ctx.disabled == {"cse", "dce"} and ctx.instruments == (timing,)
+    out = io.StringIO()
+    default_pipeline()(gcn().graph.copy(), PassContext(instruments=[PrintAfter("cse", out)]))
+    assert out.getvalue().count("IR after") == 1 and "IR after cse" in out.getvalue()
+    with pytest.raises(GcompError, match="unknown pass\\(es\\) fuse_agregate"):
+        PrintAfter({"fuse_agregate"})
+    with pytest.raises(GcompError, match="unknown pass\\(es\\) nope"):
+        PrintAfterChange(always={"nope"})
+    with pytest.raises(GcompError, match="instruments must be Instrument objects"):
+        PassContext(instruments=[print])
+
+
+def test_timing_and_print_after_all_report_annotation_changes():
+    """hoist_graph_static only annotates; it reports the change as --print-after-change
+    sees it (--timing said 'no' and --print-after-all '(unchanged)')."""
+    timing, out = PassTiming(), io.StringIO()
+    default_pipeline()(gcn().graph.copy(),
+                       PassContext(instruments=[timing, PrintAfter("hoist_graph_static", out)]))
+    assert dict((n, c) for n, _, c in timing.times)["hoist_graph_static"]
+    assert "IR after hoist_graph_static -----" in out.getvalue()
+
+
+def test_debug_outputs_never_write_over_files(tmp_path, monkeypatch, capsys):
+    """A dump directory holding dumps is refused (gcomp opt of a dumped file, dumping
+    into its directory, wrote over it and mixed two runs); a reproducer written where one
+    exists (replaying it) takes a new name."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["compile", "gcn", "--in", "8", "-o", "m.gcomp", "--dump-ir", "ir"]) == 0
+    before = (tmp_path / "ir" / "03_cse.ir").read_text()
+    assert main(["opt", "ir/03_cse.ir", "--passes", "fuse_aggregate,dce",
+                 "--dump-ir", "ir"]) == 2
+    assert "already holds dumps" in capsys.readouterr().err
+    assert (tmp_path / "ir" / "03_cse.ir").read_text() == before
+    (tmp_path / "repro").mkdir()
+    given = tmp_path / "repro" / "repro_autodiff.ir"
+    given.write_text(before)
+    assert main(["opt", str(given), "--passes", "autodiff", "--reproducer", "repro"]) == 2
+    assert given.read_text() == before
+    assert (tmp_path / "repro" / "repro_autodiff_2.ir").read_text().startswith(
+        "# gcomp reproducer: gcomp opt repro/repro_autodiff_2.ir --passes autodiff")
+
+
+def test_dump_ir_of_a_training_compile_holds_each_pipeline_input(tmp_path):
+    """--train runs the inference pipeline and then the training one from the model
+    again: its input is dumped too, so each dump still replays to the next."""
+    from gcomp.passes import training_pipeline
+    compile_model(gcn(), train=True, ctx=PassContext(instruments=[DumpIR(tmp_path)]))
+    files = sorted(tmp_path.glob("*.ir"))
+    k = len(default_pipeline().pipeline) + 1
+    assert [f.name for f in files].count(f"{k:02d}_input.ir") == 1
+    assert len(files) == k + 1 + len(training_pipeline().pipeline)
+    assert files[k].read_text() == files[0].read_text()  # the model, both times
+    after = files[k + 1]
+    replayed = replay(files[k], passes=after.stem.split("_", 1)[1])
+    assert print_graph(replayed, show_meta=True) == after.read_text()
+
+
 def test_unknown_disabled_pass():
     with pytest.raises(GcompError, match="unknown pass"):
         PassManager([FuseAggregate()])(gcn().graph.copy(),
@@ -319,6 +401,17 @@ def test_explain_of_a_graph_without_features(capsys, tmp_path):
     np.savez(g, edge_index=np.random.default_rng(0).integers(0, 50, (2, 200)), num_nodes=50)
     assert main(["explain", "gcn", "--in", "8", "--out", "3", "--graph", str(g)]) == 0
     assert "this graph has no features" in capsys.readouterr().out
+
+
+def test_explain_refuses_a_graph_the_model_cannot_take(capsys, tmp_path):
+    """As compile --graph does (explain described formats for a graph that cannot run)."""
+    import numpy as np
+    g = tmp_path / "six.npz"
+    rng = np.random.default_rng(0)
+    np.savez(g, edge_index=rng.integers(0, 50, (2, 200)), x=rng.random((50, 6)))
+    assert main(["explain", "gcn", "--in", "8", "--out", "3", "--graph", str(g)]) == 2
+    assert "graph 'six' has 6 features per node; the model's input 'x' takes 8" in \
+        capsys.readouterr().err
 
 
 def test_explain_says_how_out_edges_are_aggregated(capsys):

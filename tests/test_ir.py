@@ -137,6 +137,14 @@ def test_builder_rejects_bad_sizes_and_names():
         trace(Agg(), {"x": NodeInput(3), "edge_index": GraphInput(),
                       "w": EdgeInput("edge_index", (0,))})
 
+    class TwoEdgeTypes(Module):  # a run binds one graph: both inputs would get it
+        def forward(self, x, friends, enemies):
+            return friends.aggregate(x) - enemies.aggregate(x)
+    with pytest.raises(IRError, match="2 graph inputs \\('friends', 'enemies'\\); gcomp "
+                                      "models take one graph"):
+        trace(TwoEdgeTypes(), {"x": NodeInput(2), "friends": GraphInput(),
+                               "enemies": GraphInput()})
+
 
 def test_builder_outputs_are_distinct_values():
     """forward() returning one value twice, or an input, gives outputs of their own names

@@ -9,7 +9,8 @@
   and annotations compared: an analysis that only annotates counts), and after the passes
   in ``always`` whether or not they did.
 Both take ``show_meta=True`` to print the annotations (fusion groups, phases, hoisting).
-* ``DumpIR(dir)``: numbered files ``00_input.ir``, ``01_canonicalize.ir``, ...
+* ``DumpIR(dir)``: numbered files ``00_input.ir``, ``01_canonicalize.ir``, ... (each
+  pipeline's input, then each pass's output; ``--train`` compiles two pipelines)
 * ``PassTiming()``: wall time per pass; ``render()`` gives the table.
 * ``Reproducer(dir)``: when a pass fails, writes its input IR with a header holding the
   failing pass and the pass context it ran in (target, options, AMX tiles: what passes
@@ -20,6 +21,7 @@ Verification after every pass is the pass context's ``verify_each`` (on by defau
 from __future__ import annotations
 
 import argparse
+import glob
 import shlex
 import sys
 import time
@@ -29,14 +31,26 @@ from gcomp.errors import GcompError
 from gcomp.ir.graph import Graph
 from gcomp.ir.parser import parse_graph
 from gcomp.ir.printer import print_graph
-from gcomp.passes.manager import OPTIONS, Instrument, Pass, PassContext
+from gcomp.passes.manager import OPTIONS, Instrument, Pass, PassContext, pass_names
 
 REPRO_HEADER = "# gcomp reproducer: gcomp opt {file} --passes {passes}"
 
 
+def _known(names, what: str) -> set[str]:
+    """``names`` (an iterable, or a comma-separated string) checked against the passes."""
+    from gcomp.passes import PASSES
+    names = set(pass_names(names))
+    unknown = names - set(PASSES)
+    if unknown:
+        raise GcompError(f"{what}: unknown pass(es) {', '.join(sorted(unknown))}; passes: "
+                         f"{', '.join(sorted(PASSES))}")
+    return names
+
+
 class PrintAfter(Instrument):
-    def __init__(self, passes: set[str] | None = None, stream=None, show_meta: bool = False):
-        self.passes = set(passes) if passes else None
+    def __init__(self, passes: set[str] | str | None = None, stream=None,
+                 show_meta: bool = False):
+        self.passes = _known(passes, "PrintAfter") if passes else None
         self.stream = stream
         self.show_meta = show_meta
 
@@ -53,7 +67,7 @@ class PrintAfterChange(Instrument):
 
     def __init__(self, stream=None, always: set[str] | None = None, show_meta: bool = False):
         self.stream = stream
-        self.always = set(always or ())
+        self.always = _known(always or (), "PrintAfterChange")
         self.show_meta = show_meta
         self._before: str | None = None
 
@@ -97,19 +111,26 @@ def read_ir(path: str | Path) -> str:
 
 
 class DumpIR(Instrument):
+    """Numbered IR files: each pipeline's input, then the IR after each pass.  The
+    directory must hold no dumps yet: two runs' files would interleave by number, and an
+    IR file given to ``gcomp opt`` from there would be written over."""
+
     def __init__(self, directory: str | Path, prefix: str = ""):
         self.dir = _make_dir(directory, "IR dump")
         self.prefix = prefix
         self.index = 0
+        old = sorted(self.dir.glob(f"{glob.escape(prefix)}[0-9][0-9]*_*.ir"))
+        if old:
+            raise GcompError(f"the IR dump directory {str(self.dir)!r} already holds dumps "
+                             f"({old[0].name}, ...); name a new or empty one")
 
     def _write(self, name: str, graph: Graph) -> None:
         path = self.dir / f"{self.prefix}{self.index:02d}_{name}.ir"
         path.write_text(print_graph(graph, show_meta=True))
         self.index += 1
 
-    def run_before_pass(self, p: Pass, graph: Graph) -> None:
-        if self.index == 0:
-            self._write("input", graph)
+    def run_before_pipeline(self, pipeline: list[str], graph: Graph) -> None:
+        self._write("input", graph)  # the training pipeline starts from the model again
 
     def run_after_pass(self, p: Pass, graph: Graph, changed: bool) -> None:
         self._write(p.name, graph)
@@ -146,6 +167,10 @@ class Reproducer(Instrument):
     def run_on_failure(self, p: Pass, graph_before: Graph, error: BaseException,
                        pipeline: list[str], ctx: PassContext) -> None:
         path = self.dir / f"repro_{p.name}.ir"
+        k = 1
+        while path.exists():  # an earlier reproducer, or the file being replayed: kept
+            k += 1
+            path = self.dir / f"repro_{p.name}_{k}.ir"
         header = " ".join([REPRO_HEADER.format(file=shlex.quote(str(path)), passes=p.name),
                            *context_flags(ctx)])
         msg = str(error).splitlines()[0] if str(error) else type(error).__name__

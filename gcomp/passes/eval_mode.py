@@ -27,5 +27,4 @@ class EvalMode(Pass):
             if n.name == RNG_STEP and not n.users and n not in graph.outputs:
                 graph.erase_node(n)
                 changed = True
-                changed = True
         return changed

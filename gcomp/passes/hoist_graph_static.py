@@ -1,7 +1,7 @@
 """Mark when each value can be computed: once per graph, once per fed input, or every run.
 
 Expects: nothing beyond a verified graph.
-Guarantees (analysis only, the graph is unchanged): ``meta["phase"]`` is
+Guarantees (analysis only: the ops are unchanged, the annotations set): ``meta["phase"]`` is
 
 * ``"bind"`` for values computable from graph inputs, edge inputs (edge values
   are bound with their graph) and constants, e.g. degrees and GCN normalization:
@@ -47,6 +47,9 @@ class HoistGraphStatic(Pass):
     name = "hoist_graph_static"
 
     def run(self, graph, ctx) -> bool:
+        """Changed: whether an annotation did (the instruments report it so)."""
+        changed = False
         for n, phase in phases(graph).items():
+            changed |= n.meta.get("phase") != phase
             n.meta["phase"] = phase
-        return False
+        return changed

@@ -37,6 +37,9 @@ class Instrument:
     def should_run(self, pass_: Pass, graph: Graph) -> bool:
         return True
 
+    def run_before_pipeline(self, pipeline: list[str], graph: Graph) -> None:
+        pass
+
     def run_before_pass(self, pass_: Pass, graph: Graph) -> None:
         pass
 
@@ -73,6 +76,13 @@ class PassContext:
     tile_products: bool = False
 
     def __post_init__(self):
+        # one instrument, or one pass name (several comma-separated), as the CLI takes them
+        if isinstance(self.instruments, Instrument):
+            self.instruments = (self.instruments,)
+        bad = [i for i in self.instruments if not isinstance(i, Instrument)]
+        if bad:
+            raise GcompError(f"instruments must be Instrument objects, not {bad[0]!r}")
+        self.disabled = frozenset(pass_names(self.disabled))
         for key, value in self.options.items():
             if key not in OPTIONS:
                 raise GcompError(f"unknown pass option {key!r}; options: "
@@ -97,13 +107,19 @@ class PassError(GcompError):
     """A pass failed; the message names it and the passes before it."""
 
 
+def pass_names(names) -> list[str]:
+    """Pass names from an iterable of names or a string of comma-separated ones."""
+    if isinstance(names, str):
+        names = names.split(",")
+    return [n.strip() for n in names if n.strip()]
+
+
 class PassManager:
+    """Runs passes in order; a pass may be named more than once (canonicalize again after
+    a fusion)."""
+
     def __init__(self, passes: Sequence[Pass]):
         self.passes = list(passes)
-        names = [p.name for p in self.passes]
-        dup = {n for n in names if names.count(n) > 1}
-        if dup:
-            raise ValueError(f"duplicate pass names: {dup}")
 
     @property
     def pipeline(self) -> list[str]:
@@ -118,6 +134,8 @@ class PassManager:
             raise GcompError(f"cannot disable unknown pass(es) {', '.join(sorted(unknown))}; "
                              f"passes: {', '.join(sorted(known))}")
         ran: list[str] = []
+        for i in ctx.instruments:
+            i.run_before_pipeline(self.pipeline, graph)
         for p in self.passes:
             if p.name in ctx.disabled or not all(i.should_run(p, graph) for i in ctx.instruments):
                 continue
