@@ -8,6 +8,7 @@ from conftest import awkward_graph
 import gcomp.models as models
 from gcomp.frontend.builder import (GraphInput, Module, NodeInput, Parameter, concat, dropout,
                                     maximum, minimum, trace)
+from gcomp.errors import IRError
 from gcomp.ir import RefGraph, interpret
 from gcomp.passes import PassManager, training_pipeline
 from gcomp.passes.add_loss import AddLoss
@@ -152,3 +153,12 @@ def test_attention_backward_is_fused(slope):
     assert ops.count("attention_aggregate") == 1
     assert ops.count("attention_grad_dst") == ops.count("attention_grad_src") == 1
     assert not [n.name for n in train if getattr(n.ty, "edge_graph", None)]
+
+
+def test_a_model_input_named_like_the_loss_inputs_is_named():
+    class Net(Module):
+        def forward(self, x, labels, edge_index):
+            return edge_index.aggregate(x * labels)
+    m = trace(Net(), {"x": NodeInput(3), "labels": NodeInput(3), "edge_index": GraphInput()})
+    with pytest.raises(IRError, match="already has a value named 'labels'.*rename the model's"):
+        PassManager([AddLoss()])(m.graph.copy())

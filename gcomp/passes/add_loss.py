@@ -28,7 +28,9 @@ class AddLoss(Pass):
             raise IRError(f"training needs node logits [N, C] as the first output, got {logits.ty}")
         for name in (LABELS, TRAIN_MASK):
             if graph.has(name):
-                raise IRError(f"the model already has a value named {name!r}")
+                raise IRError(f"the model already has a value named {name!r}; the training "
+                              f"step's own inputs are {LABELS!r} and {TRAIN_MASK!r}: rename "
+                              "the model's")
         y = graph.create_node(Op.INPUT, ty=TensorType((N,), "int32"), name=LABELS)
         m = graph.create_node(Op.INPUT, ty=TensorType((N,), "float32"), name=TRAIN_MASK)
         loss = graph.create_node(Op.CROSS_ENTROPY, [logits, y, m], name=graph.fresh_name("loss"))
