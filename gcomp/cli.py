@@ -367,6 +367,8 @@ def _train(args, comm=None) -> int:
         inputs = _files(args.model, graph_file(args.graph), args.parts)
         _check_output_path(Path(args.checkpoint), inputs, "checkpoint")
         writable_dir(args.checkpoint, "checkpoint")
+        from gcomp.runtime.trainer import check_checkpoint_path
+        check_checkpoint_path(args.checkpoint)
     checkpoint = None
     if args.resume:  # read once, before compiling: a bad checkpoint fails early
         from gcomp.runtime.trainer import read_checkpoint
@@ -376,6 +378,16 @@ def _train(args, comm=None) -> int:
     if comm is not None and args.format not in ("auto", "csr"):
         raise GcompError(f"--format {args.format}: distributed training aggregates in CSR "
                          f"(a shard's rows gather halo rows, which no square layout holds)")
+    if comm is not None and args.reorder not in ("auto", "none"):
+        raise GcompError(f"--reorder {args.reorder}: distributed training keeps a shard's "
+                         f"rows in the partition's order (its own nodes, then the halo rows "
+                         f"it receives)")
+    if comm is not None and args.parts:
+        given = _flags_given(args, train_argv, (("--partition", "partition"),
+                                                ("--hosts", "hosts")))
+        if given:
+            raise GcompError(f"{', '.join(given)}: --parts gives the partition; these choose "
+                             f"one when it is not given")
     graph = load_graph(args.graph)
     if args.normalize_features:
         graph = normalize_features(graph)
@@ -432,6 +444,9 @@ def _train(args, comm=None) -> int:
         raise GcompError(f"--best-val reports the epoch of best validation accuracy; graph "
                          f"{graph.name!r} has no labelled validation node (val_mask)")
     progress = _Progress(args.epochs, sys.stderr.isatty() and not args.json and lead)
+    # evaluating is collective (halo exchanges): every rank evaluates when the printing
+    # rank's bar shows accuracies, whether or not its own stderr is a terminal
+    bar = progress.enabled if comm is None else comm.bcast(progress.enabled, root=0)
     times, loss = [], float("nan")
     best = {"best_val_acc": None, "best_test_acc": None, "best_epoch": None}
     for epoch in range(1, args.epochs + 1):
@@ -441,8 +456,7 @@ def _train(args, comm=None) -> int:
         if not np.isfinite(loss):
             progress.close()
             raise GcompError(f"the loss became {loss} at epoch {epoch}; lower --lr")
-        show_eval = progress.enabled and (epoch % max(1, args.epochs // 50) == 0 or
-                                          epoch == args.epochs)
+        show_eval = bar and (epoch % max(1, args.epochs // 50) == 0 or epoch == args.epochs)
         ev = trainer.evaluate() if (show_eval or args.best_val) else None
         if args.best_val and (best["best_epoch"] is None or ev["val_acc"] > best["best_val_acc"]):
             best = {"best_val_acc": ev["val_acc"], "best_test_acc": ev["test_acc"],
@@ -467,9 +481,12 @@ def _train(args, comm=None) -> int:
         "planned_mb": trainer._binding.memory["total_bytes"] / 2**20,
         "step": trainer.step_count,
         "node_order": trainer.node_order,
-        # formats chosen at bind time, and those fixed at compile time (--graph)
-        "formats": {**art.train_plan.specialized.get("formats", {}),
-                    **{k: v["chosen"] for k, v in trainer._binding.formats.items()}},
+        # formats chosen at bind time, and those fixed at compile time (--graph); a
+        # shard aggregates in CSR whatever the artifact was specialized to
+        "formats": ({s["formats"]["graph"]: "csr" for s in art.train_plan.steps
+                     if "formats" in s} if comm is not None else
+                    {**art.train_plan.specialized.get("formats", {}),
+                     **{k: v["chosen"] for k, v in trainer._binding.formats.items()}}),
         **(best if args.best_val else {}),
     }
     if comm is not None:
@@ -777,7 +794,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="hierarchical: split across hosts first, then each host's ranks")
     pa.add_argument("--balance", default="edges", choices=["edges", "nodes"],
                     help="balance in-edges plus nodes (default) or nodes only")
-    pa.add_argument("--seed", type=int, default=0)
+    pa.add_argument("--seed", type=_seed, default=0)
     pa.add_argument("--out", default=None, help="save the part of every node (.npy)")
     pa.add_argument("--json", action="store_true")
     pa.set_defaults(func=cmd_partition)

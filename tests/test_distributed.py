@@ -334,3 +334,98 @@ def test_partition_command(tmp_path):
     r = subprocess.run([sys.executable, "-m", "gcomp.cli", "partition", "cora", "-k", "0"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "gcomp: error:" in r.stderr
+
+
+def test_partition_seeds_and_hosts_are_checked(cora):
+    """A negative seed is named; any non-negative one works (METIS takes a C int); a
+    random partition has no hosts (the report said hosts=2 and ignored them)."""
+    with pytest.raises(InputError, match="seed must be a non-negative integer"):
+        partition_graph(cora, 2, "random", seed=-1)
+    parts = partition_graph(cora, 2, "metis", seed=99999999999999999999)
+    check_parts(parts, cora.num_nodes, 2)
+    with pytest.raises(InputError, match="a random partition has no hosts"):
+        partition_graph(cora, 4, "random", hosts=2)
+
+
+def test_distributed_trainer_checks_its_seed(artifacts):
+    """As Trainer does (numpy and METIS raised their own errors, or -1 was taken)."""
+    from gcomp.distributed.trainer import DistributedTrainer
+    from gcomp.runtime import artifact
+    art = artifact.load(artifacts[1][0])
+    for bad in (-1, 1.5, True, "3"):
+        with pytest.raises(InputError, match="seed must be a non-negative integer"):
+            DistributedTrainer(art, load_graph("cora"), seed=bad)
+
+
+WEIGHTED = textwrap.dedent("""
+    import numpy as np
+    rng = np.random.default_rng(0)
+    ei = rng.integers(0, 40, (2, 160))
+    np.savez("{path}", edge_index=ei, x=rng.standard_normal((40, 8)).astype(np.float32),
+             y=rng.integers(0, 3, 40), edge_weight=rng.random((160, 1)))
+""")
+
+
+@needs_mpi
+def test_ranks_refuse_what_one_process_refuses(artifacts, tmp_path):
+    """Under mpiexec: edge weights of shape (E, 1) are named as in one process (a TVM
+    shape traceback on every rank); --reorder and --parts with the options that choose a
+    partition are refused (they were ignored); --json reports the CSR a shard aggregates
+    in (it gave the artifact's dense specialization); one error line per rank."""
+    import gcomp.models as models
+    from gcomp.compiler import compile_model
+    _, paths = artifacts
+    gcomp = [sys.executable, "-m", "gcomp.cli"]
+    graph = tmp_path / "w.npz"
+    subprocess.run([sys.executable, "-c", WEIGHTED.format(path=graph)], check=True)
+    art = tmp_path / "gcnw.gcomp"
+    compile_model(models.build("gcn", 8, hidden=4, out_channels=3, edge_weight=True),
+                  train=True).save(art)
+    r = _mpirun(2, gcomp + ["train", str(art), "--graph", str(graph), "--epochs", "2"],
+                timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "edge values 'edge_weight' must have shape (E, ), got (160, 1)" in r.stderr
+    assert all(ln.startswith("gcomp: error: rank") for ln in r.stderr.splitlines()
+               if "gcomp: error" in ln)
+    train = gcomp + ["train", paths[0], "--graph", "cora", "--epochs", "2"]
+    r = _mpirun(2, train + ["--reorder", "rcm"], timeout=120)
+    assert r.returncode == 2 and "--reorder rcm: distributed training keeps" in r.stderr
+    parts = tmp_path / "parts.npy"
+    np.save(parts, np.arange(2708) % 2)
+    r = _mpirun(2, train + ["--parts", str(parts), "--partition", "random"], timeout=120)
+    assert r.returncode == 2 and "--partition: --parts gives the partition" in r.stderr
+    dense = tmp_path / "complete.npz"  # a graph the cost model specializes to dense
+    src, dst = np.meshgrid(np.arange(120), np.arange(120))
+    rng = np.random.default_rng(0)
+    np.savez(dense, edge_index=np.stack([src.ravel(), dst.ravel()]),
+             x=rng.standard_normal((120, 8)).astype(np.float32), y=rng.integers(0, 3, 120))
+    formats = []
+    for k in (1, 2):
+        r = _mpirun(k, gcomp + ["train", "gcn", "--graph", str(dense), "--epochs", "2",
+                                "--json"], timeout=180)
+        assert r.returncode == 0, r.stderr[-2000:]
+        formats.append(set(_json_line(r.stdout)["formats"].values()))
+    assert formats == [{"dense"}, {"csr"}]
+
+
+TTY_RANK0 = textwrap.dedent("""
+    import sys
+    from mpi4py import MPI
+    if MPI.COMM_WORLD.rank == 0:  # as under srun --pty: only rank 0 on a terminal
+        sys.stderr.isatty = lambda: True
+    from gcomp.cli import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+@needs_mpi
+def test_a_progress_bar_on_rank_0_alone_does_not_hang(artifacts, tmp_path):
+    """Evaluating is collective: rank 0's bar made it evaluate alone, and the job hung
+    until the timeout."""
+    _, paths = artifacts
+    script = tmp_path / "tty.py"
+    script.write_text(TTY_RANK0)
+    r = _mpirun(2, [sys.executable, str(script), "train", paths[0], "--graph", "cora",
+                    "--epochs", "3"], timeout=120, env={"GCOMP_DIST_TIMEOUT": "30"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "epoch 3/3" in r.stderr and "val" in r.stderr

@@ -200,6 +200,34 @@ def test_cli_train_json_is_valid_json_without_numbers_to_report(tmp_path, capsys
     assert r["best_epoch"] is None and r["best_val_acc"] is None and r["val_acc"] is not None
 
 
+def test_a_checkpoint_replaces_only_a_checkpoint(tmp_path, capsys):
+    """--checkpoint naming another file the user has (a model, a graph, an artifact that
+    is not an input of this run) is refused before training; an earlier checkpoint is
+    replaced."""
+    art = tmp_path / "gcn.gcomp"
+    compile_model(models.build("gcn", 4, hidden=4, out_channels=3), train=True).save(art)
+    g = labelled(awkward_graph(num_nodes=30, num_edges=100, num_features=4), 3)
+    path = tmp_path / "g.npz"
+    np.savez(path, edge_index=g.edge_index, x=g.x, y=g.y, train_mask=g.train_mask)
+    other = tmp_path / "other.npz"
+    np.savez(other, edge_index=g.edge_index)
+    model = tmp_path / "m.onnx"
+    model.write_bytes(b"not a checkpoint")
+    for victim in (other, model):
+        before = victim.read_bytes()
+        assert main(["train", str(art), "--graph", str(path), "--epochs", "1",
+                     "--checkpoint", str(victim)]) == 2
+        assert "exists and is not a gcomp checkpoint" in capsys.readouterr().err
+        assert victim.read_bytes() == before
+    ck = tmp_path / "ck.npz"
+    for _ in range(2):
+        assert main(["train", str(art), "--graph", str(path), "--epochs", "1",
+                     "--checkpoint", str(ck)]) == 0
+    tr = Trainer(compile_model(models.build("gcn", 4, hidden=4, out_channels=3), train=True), g)
+    with pytest.raises(GcompError, match="not a gcomp checkpoint; refusing to replace it"):
+        tr.save(model)
+
+
 def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     g = labelled(awkward_graph(num_nodes=30, num_edges=100, num_features=4), 3)
     tr = Trainer(compile_model(models.build("gcn", 4, hidden=4, out_channels=3), train=True), g)

@@ -54,8 +54,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gcomp.errors import GcompError
-from gcomp.runtime.data import GraphData, check_edge_values
-from gcomp.runtime.executor import Binding, Executor
+from gcomp.runtime.data import GraphData
+from gcomp.runtime.executor import Binding, Executor, edge_input_values
 from gcomp.runtime.graph import GraphStructure
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -316,11 +316,7 @@ class DistExecutor(Executor):
         return self.shard.gids
 
     def _edge_input(self, graph, inp):  # perm holds global edge ids: index the global values
-        g = self.global_graph
-        if g.edge_weight is None:
-            raise DistributedError(f"the model needs edge values {inp['name']!r}, and graph "
-                                   f"{g.name!r} has no edge_weight")
-        return check_edge_values(g.edge_weight, g.num_edges, f"{g.name}: edge_weight")
+        return edge_input_values(self.global_graph, inp)
 
     # ---- plan analysis helpers
     def _root(self, name: str) -> str:

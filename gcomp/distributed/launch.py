@@ -65,7 +65,9 @@ def run_distributed(fn, *args) -> int:
         msg = str(e) if user else f"{type(e).__name__}: {e}"
         if os.environ.get("GCOMP_DEBUG") or not user:
             traceback.print_exc()
-        print(f"gcomp: error: rank {comm.rank}/{comm.size}: {msg}", file=sys.stderr, flush=True)
+        # one write, newline included: two ranks' print() calls interleaved their halves
+        sys.stderr.write(f"gcomp: error: rank {comm.rank}/{comm.size}: {msg}\n")
+        sys.stderr.flush()
         sys.stdout.flush()
         # the launcher forwards our stderr asynchronously and drops what it has not read
         # when the job is torn down: give it a moment, or the error may never be seen

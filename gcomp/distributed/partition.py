@@ -33,7 +33,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from gcomp.errors import InputError
-from gcomp.runtime.data import GraphData
+from gcomp.runtime.data import GraphData, check_seed
 
 METIS_MAX_EDGES = 50_000_000
 METHODS = ("auto", "metis", "range", "random")
@@ -69,7 +69,7 @@ def _metis(adj: sp.csr_matrix, k: int, weights: np.ndarray, seed: int) -> np.nda
     import pymetis
     if k == 1 or adj.shape[0] == 0:
         return np.zeros(adj.shape[0], np.int64)
-    opts = pymetis.Options(seed=seed)
+    opts = pymetis.Options(seed=seed % 2**31)  # METIS takes a C int; any seed is valid
     csr = pymetis.CSRAdjacency(adj.indptr.astype(np.int64), adj.indices.astype(np.int64))
     _, parts = pymetis.part_graph(k, adjacency=csr, vweights=weights.astype(np.int64),
                                   options=opts)
@@ -97,8 +97,12 @@ def partition_graph(graph: GraphData, k: int, method: str = "auto", hosts: int |
         raise InputError(f"cannot split {n} nodes into {k} non-empty parts")
     if method not in METHODS:
         raise InputError(f"unknown partition method {method!r} (choose from {', '.join(METHODS)})")
+    check_seed(seed)
     w = node_weights(graph, balance)
     if method == "random":
+        if hosts is not None and hosts != 1:
+            raise InputError(f"--hosts {hosts}: a random partition has no hosts to keep "
+                             "edges within; hierarchical partitions are metis or range")
         parts = np.random.default_rng(seed).permutation(np.arange(n) % k)
         return check_parts(parts, n, k)
     if hosts is not None and hosts != 1:

@@ -23,7 +23,7 @@ from gcomp.distributed.halo import (Comm, DistExecutor, DistributedError, build_
                                     fused_epilogues, local_graph)
 from gcomp.distributed.launch import maybe_fault
 from gcomp.distributed.partition import check_parts, partition_graph, partition_report
-from gcomp.runtime.data import GraphData, check_graph
+from gcomp.runtime.data import GraphData, check_graph, check_seed
 from gcomp.runtime.trainer import Trainer, require_training
 
 
@@ -33,6 +33,7 @@ class DistributedTrainer(Trainer):
         """``graph``: the whole graph (every rank loads it); ``parts``: a partition to use
         (default: rank 0 computes one with ``method``/``hosts`` and broadcasts it)."""
         require_training(artifact)
+        check_seed(seed)  # before any rank partitions with it
         if artifact.manifest.get("precision", "fp32") != "fp32":
             # the halo exchange sends float32 rows
             raise DistributedError("distributed training runs float32 artifacts; this one "

@@ -137,6 +137,13 @@ def check_features(x, num_nodes: int | None, what: str = "features"):
     return x.astype(np.float32) if sp.issparse(x) else x
 
 
+def check_seed(seed) -> None:
+    """An InputError unless ``seed`` is a non-negative integer (numpy's generators take no
+    other)."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise InputError(f"seed must be a non-negative integer, got {seed!r}")
+
+
 def check_edge_values(w, num_edges: int, what: str = "edge_weight") -> np.ndarray:
     w = np.asarray(w)
     if w.dtype.kind not in "fiu":

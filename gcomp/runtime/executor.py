@@ -239,6 +239,19 @@ def decide_layout(plan: Plan, graph: GraphData, features: dict | None = None,
     return Layout(order, g, f, st, sizes, reorder_report, chosen, report, block)
 
 
+def edge_input_values(graph: GraphData, inp: dict) -> np.ndarray:
+    """``graph``'s edge_weight, checked, as the plan's edge input ``inp`` takes it."""
+    if graph.edge_weight is None:
+        raise InputError(f"the model needs edge values {inp['name']!r}, and graph "
+                         f"{graph.name!r} has no edge_weight")
+    w = check_edge_values(graph.edge_weight, graph.num_edges, f"{graph.name}: edge_weight")
+    want = tuple(inp["dims"][1:])
+    if w.shape[1:] != want:
+        raise InputError(f"edge values {inp['name']!r} must have shape (E, "
+                         f"{', '.join(map(str, want))}), got {w.shape}")
+    return w
+
+
 class Executor:
     feeds_in_place = True  # runtimes that rewrite the bound steps (distributed) turn it off
 
@@ -603,15 +616,7 @@ class Executor:
 
     @staticmethod
     def _edge_input(graph: GraphData, inp: dict) -> np.ndarray:
-        if graph.edge_weight is None:
-            raise InputError(f"the model needs edge values {inp['name']!r}, and graph "
-                             f"{graph.name!r} has no edge_weight")
-        w = check_edge_values(graph.edge_weight, graph.num_edges, f"{graph.name}: edge_weight")
-        want = tuple(inp["dims"][1:])
-        if w.shape[1:] != want:
-            raise InputError(f"edge values {inp['name']!r} must have shape (E, "
-                             f"{', '.join(map(str, want))}), got {w.shape}")
-        return w
+        return edge_input_values(graph, inp)
 
     # ------------------------------------------------------------------ running
     def node_inputs(self) -> list[dict]:

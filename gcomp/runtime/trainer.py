@@ -24,7 +24,7 @@ import numpy as np
 
 from gcomp.errors import ArtifactError, InputError
 from gcomp.files import write_atomic
-from gcomp.runtime.data import GraphData, check_graph
+from gcomp.runtime.data import GraphData, check_graph, check_seed
 from gcomp.runtime.executor import Executor
 from gcomp.runtime.synthetic import random_split
 
@@ -69,6 +69,24 @@ def read_checkpoint(path: str | Path) -> tuple[dict, dict]:
     return arrays, meta
 
 
+def check_checkpoint_path(path: str | Path) -> None:
+    """An InputError where ``path`` holds a file that is not a gcomp checkpoint: a
+    checkpoint replaces only an earlier one (a mistyped --checkpoint model.onnx or
+    graph.npz would replace the user's file)."""
+    p = Path(path)
+    if not p.is_file():
+        return
+    try:
+        with np.load(p, allow_pickle=False) as z:
+            meta = json.loads(z["meta"].tobytes())
+        ours = isinstance(meta, dict) and meta.get("format") == CHECKPOINT_FORMAT
+    except Exception:  # noqa: BLE001 - anything unreadable as one is not a checkpoint
+        ours = False
+    if not ours:
+        raise InputError(f"{str(p)!r} exists and is not a gcomp checkpoint; refusing to "
+                         "replace it (remove it or name another file)")
+
+
 def require_training(artifact) -> None:
     if artifact.train_plan is None:
         raise ArtifactError("this artifact was compiled for inference; compile it with "
@@ -84,8 +102,7 @@ class Trainer:
         ``formats`` the adjacency format (``runtime/formats.py``)."""
         require_training(artifact)
         graph = check_graph(graph)
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise InputError(f"seed must be a non-negative integer, got {seed!r}")
+        check_seed(seed)
         self.artifact = artifact
         self.graph = graph
         self.seed = int(seed)
@@ -216,7 +233,9 @@ class Trainer:
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
     def save(self, path: str | Path) -> Path:
-        """Write parameters, optimizer state and the step; atomic (``gcomp/files.py``)."""
+        """Write parameters, optimizer state and the step; atomic (``gcomp/files.py``).
+        Replaces an earlier checkpoint, never another file (``check_checkpoint_path``)."""
+        check_checkpoint_path(path)
         arrays = {f"param/{k}": v for k, v in self.parameters().items()}
         arrays.update({f"state/{k}": self.train_ex.get(k) for k in self.artifact.train_plan.state})
         meta = {"format": CHECKPOINT_FORMAT, "step": self.step_count, "seed": self.seed,
