@@ -429,3 +429,28 @@ def test_a_progress_bar_on_rank_0_alone_does_not_hang(artifacts, tmp_path):
                     "--epochs", "3"], timeout=120, env={"GCOMP_DIST_TIMEOUT": "30"})
     assert r.returncode == 0, r.stderr[-2000:]
     assert "epoch 3/3" in r.stderr and "val" in r.stderr
+
+
+@needs_mpi
+def test_set_parameters_must_agree_across_ranks(artifacts, tmp_path):
+    """Replicated parameters stay equal only when every rank sets the same values (each
+    rank's own init trained no model, and rank 0's checkpoint described none)."""
+    _, paths = artifacts
+    script = tmp_path / "setp.py"
+    script.write_text(f"""
+import numpy as np
+from gcomp.distributed.trainer import DistributedTrainer
+from gcomp.runtime.artifact import load
+from gcomp.runtime.data import load_graph
+tr = DistributedTrainer(load({paths[0]!r}), load_graph("cora"))
+name, w = next(iter(tr.parameters().items()))
+tr.set_parameters({{name: np.full_like(w, 0.01)}})
+tr.step()
+try:
+    tr.set_parameters({{name: np.full_like(w, 0.01 * (1 + tr.rank))}})
+except Exception as e:
+    print("refused:", e, flush=True)
+""")
+    r = _mpirun(2, [sys.executable, str(script)], timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("refused: set_parameters was given other values on some ranks") == 2

@@ -6,9 +6,9 @@ time there (GGNN's gate kernel on arxiv-synth: 96 ms with ``tanhf``).  ``fast_ex
 is the Cephes single-precision algorithm (range reduction by ln 2, a degree-6
 polynomial, scaling by 2^n through the exponent bits): relative error about 1e-7,
 the float32 epsilon, for inputs in [-87, 88]; smaller inputs give 0 (``expf`` gives
-denormals there), larger are clamped; a NaN stays NaN on the CPU.  ``fast_tanh`` is Cephes' ``tanhf``: an odd
-polynomial below |x| = 0.625, where 1 - 2 / (exp(2|x|) + 1) would cancel, that form
-above it.
+denormals there), larger are clamped; a NaN stays NaN on the CPU.  ``fast_tanh`` is
+Cephes' ``tanhf``: an odd polynomial below |x| = 0.625, where 1 - 2 / (exp(2|x|) + 1)
+would cancel, that form above it.
 """
 
 from __future__ import annotations

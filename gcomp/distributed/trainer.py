@@ -16,6 +16,8 @@ would save and resumes on any number of ranks.
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 
 from gcomp.errors import InputError
@@ -135,6 +137,20 @@ class DistributedTrainer(Trainer):
             return float(a / n) if n else float("nan")
         return {"loss": ratio(s[0], s[1]), "train_acc": ratio(s[2], s[3]),
                 "val_acc": ratio(s[4], s[5]), "test_acc": ratio(s[6], s[7])}
+
+    def set_parameters(self, params: dict[str, np.ndarray]) -> None:
+        """As ``Trainer``'s, called on every rank with the same values: the replicated
+        parameters stay equal only so (each rank training its own values would train no
+        model at all; refused on every rank)."""
+        super().set_parameters(params)
+        digest = hashlib.sha256()
+        for k in sorted(params):
+            digest.update(k.encode() + self.train_ex.get(k).tobytes())
+        differs = self.comm.bcast(digest.hexdigest(), what="set_parameters") != \
+            digest.hexdigest()
+        if self.comm.allreduce(np.array([float(differs)]), what="set_parameters")[0]:
+            raise InputError("set_parameters was given other values on some ranks; give "
+                             "every rank the same (rank 0's, broadcast)")
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, path):
