@@ -64,16 +64,26 @@ def _save_npy_atomic(path: Path, array) -> None:
 
 
 # ---------------------------------------------------------------------- compile
+_BUNDLED_MODEL_FLAGS = (("--in", "in_channels"), ("--hidden", "hidden"),
+                        ("--out", "out_channels"), ("--layers", "layers"), ("--heads", "heads"),
+                        ("--edge-weight", "edge_weight"), ("--dropout", "dropout"))
+
+
 def _model_from_args(args):
     if str(args.model).endswith(".onnx"):
         from gcomp.frontend.onnx import import_onnx
-        if getattr(args, "dropout", 0.0):
-            raise GcompError("--dropout applies to bundled models; an ONNX model keeps the "
-                             "layers it was exported with")
+        # train's --seed draws the split; compile's initializes parameters an export has
+        flags = _BUNDLED_MODEL_FLAGS + ((("--seed", "seed"),) if args.command != "train" else ())
+        given = _flags_given(args, flags)
+        if given:
+            raise GcompError(f"{', '.join(given)}: these shape a bundled model; an ONNX model "
+                             "keeps the layers, sizes and weights it was exported with")
         roles = {"features": args.features_input, "edge_index": args.edge_index_input,
                  "edge_weight": args.edge_weight_input}
         return import_onnx(args.model, roles)
     import gcomp.models as models
+    if args.model != "gat" and _flags_given(args, (("--heads", "heads"),)):
+        raise GcompError(f"--heads: attention heads are GAT's; {args.model!r} has none")
     return models.build(args.model, in_channels=args.in_channels, hidden=args.hidden,
                         out_channels=args.out_channels, layers=args.layers, heads=args.heads,
                         seed=args.seed, edge_weight=args.edge_weight,
@@ -242,7 +252,7 @@ def cmd_opt(args) -> int:
 
     path = _P(args.file)
     if args.passes is None:  # the header's passes and pass context: no flag may change them
-        given = _flags_given(args, ["opt", args.file], (
+        given = _flags_given(args, (
             ("--disable-pass", "disable_pass"), ("-t", "target"), ("--prefer", "prefer"),
             ("--deterministic", "deterministic"), ("--tile-products", "tile_products")))
         if given:
@@ -346,9 +356,8 @@ def _train(args, comm=None) -> int:
 
     if args.epochs < 0:
         raise GcompError("--epochs must be >= 0")
-    train_argv = ["train", args.model, "--graph", args.graph]
     if comm is None:
-        given = _flags_given(args, train_argv, (("--parts", "parts"), ("--hosts", "hosts"),
+        given = _flags_given(args, (("--parts", "parts"), ("--hosts", "hosts"),
                                                 ("--partition", "partition")))
         if given:
             raise GcompError(f"{', '.join(given)}: these split the graph across MPI ranks; "
@@ -356,8 +365,9 @@ def _train(args, comm=None) -> int:
     if args.save_every < 0 or (args.save_every and not args.checkpoint):
         raise GcompError("--save-every K writes the --checkpoint every K epochs: give a "
                          "--checkpoint and K >= 1 (0: only at the end)")
-    if str(args.model).endswith(".gcomp"):  # what the artifact fixed cannot change here
-        fixed = _flags_given(args, train_argv, _COMPILE_FLAGS)
+    is_artifact = _is_artifact(args.model)
+    if is_artifact:  # what the artifact fixed cannot change here
+        fixed = _flags_given(args, _COMPILE_FLAGS)
         if fixed:
             raise GcompError(f"{', '.join(fixed)}: {args.model!r} is compiled; its model, "
                              f"optimizer and precision were fixed then (gcomp info shows "
@@ -383,7 +393,7 @@ def _train(args, comm=None) -> int:
                          f"rows in the partition's order (its own nodes, then the halo rows "
                          f"it receives)")
     if comm is not None and args.parts:
-        given = _flags_given(args, train_argv, (("--partition", "partition"),
+        given = _flags_given(args, (("--partition", "partition"),
                                                 ("--hosts", "hosts")))
         if given:
             raise GcompError(f"{', '.join(given)}: --parts gives the partition; these choose "
@@ -394,7 +404,7 @@ def _train(args, comm=None) -> int:
     if graph.y is None:
         raise GcompError(f"graph {graph.name!r} has no labels (y); training needs them")
     t0 = time.perf_counter()
-    if str(args.model).endswith(".gcomp"):
+    if is_artifact:
         art = artifact_mod.load(args.model)
     else:
         from gcomp.compiler import compile_model
@@ -535,6 +545,12 @@ def cmd_info(args) -> int:
         from gcomp.runtime.data import load_graph
         from gcomp.runtime.graph import GraphStructure
         g = load_graph(args.graph)
+        for inp in art.plan.inputs:  # a plan for a graph it cannot run would mislead
+            dims = inp.get("dims", ())
+            if (inp["role"] == "node" and inp.get("dtype", "float32") == "float32"
+                    and len(dims) == 2 and g.num_features not in (None, dims[1])):
+                raise GcompError(f"graph {g.name!r} has {g.num_features} features per node; "
+                                 f"the model's input {inp['name']!r} takes {dims[1]}")
         info["memory"] = {}
         for label, plan in (("inference", art.plan), ("training", art.train_plan)):
             if plan is None:
@@ -617,11 +633,33 @@ def _reorder_flag(p) -> None:
                    help="adjacency format of the aggregations (auto: chosen by the cost model)")
 
 
-def _flags_given(args, argv: list[str], flags) -> list[str]:
-    """The flags of ``(flag, dest)`` pairs whose value in ``args`` is not the parser's
-    default for the command ``argv`` (its required arguments) sets."""
-    defaults = vars(_parser().parse_args(argv))
-    return [flag for flag, dest in flags if getattr(args, dest) != defaults[dest]]
+def _is_artifact(model: str) -> bool:
+    """Whether ``model`` names an artifact: a .gcomp file, or a file of another name that
+    holds a gcomp manifest (a renamed artifact, as gcomp run and info take)."""
+    import zipfile
+    if str(model).lower().endswith(".gcomp"):
+        return True
+    try:
+        with zipfile.ZipFile(model) as z:
+            return "manifest.json" in z.namelist()
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+def _flags_given(args, flags) -> list[str]:
+    """The flags of ``(flag, dest)`` pairs given on the command line (``args.argv``),
+    whatever their values: a flag set to its default is given too."""
+    parser = _parser()
+    actions = list(parser._actions)
+    for a in parser._actions:  # every subcommand's options, their defaults suppressed
+        if isinstance(a, argparse._SubParsersAction):
+            for sub in a.choices.values():
+                actions += sub._actions
+    for a in actions:
+        if a.option_strings:
+            a.default = argparse.SUPPRESS
+    given = vars(parser.parse_args(args.argv))
+    return [flag for flag, dest in flags if dest in given]
 
 
 def _seed(text: str) -> int:
@@ -804,6 +842,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # which flags were given
     try:
         return args.func(args)
     except GcompError as e:

@@ -651,3 +651,69 @@ def test_negative_weighted_degree_is_named_not_nan():
     w = np.array([1.0, -3.0, 0.5, 1.0], np.float32)  # node 2: -3 + its self loop's 1
     with pytest.raises(InputError, match="gives node 2 the weighted degree -2 "):
         art.run(GraphData("w", 4, ei, x, w))
+
+
+def test_flags_a_compiled_artifact_fixed_are_refused_at_any_value(tmp_path, capsys):
+    """A flag given at the parser's default (--lr 0.01, --precision fp32, -t llvm) was
+    taken for no flag and silently ignored; a renamed artifact is still an artifact (it
+    was an 'unknown model'); model flags shape bundled models, not ONNX files."""
+    art = tmp_path / "tr.gcomp"
+    assert main(["compile", "gcn", "--in", "1433", "--out", "7", "--train", "--lr", "0.05",
+                 "-o", str(art)]) == 0
+    capsys.readouterr()
+    train = ["train", str(art), "--graph", "cora", "--epochs", "1"]
+    for flag in (["--lr", "0.01"], ["--precision", "fp32"], ["-t", "llvm"], ["--hidden", "16"]):
+        assert f"{flag[0]}: {str(art)!r} is compiled" in _err(train + flag, capsys)
+    renamed = tmp_path / "tr.zip"
+    renamed.write_bytes(art.read_bytes())
+    assert "--lr: " in _err(["train", str(renamed), "--graph", "cora", "--lr", "0.01"], capsys)
+    assert main(["train", str(renamed), "--graph", "cora", "--epochs", "1"]) == 0
+    capsys.readouterr()
+    onnx = str(Path(models.__file__).parent / "onnx" / "gcn2_opset18.onnx")
+    for flag in (["--out", "9"], ["--hidden", "99"], ["--seed", "5"], ["--edge-weight"]):
+        err = _err(["compile", onnx, *flag, "-o", str(tmp_path / "o.gcomp")], capsys)
+        assert f"{flag[0]}: these shape a bundled model" in err
+    assert "--heads: attention heads are GAT's; 'gcn' has none" in _err(
+        ["compile", "gcn", "--heads", "3", "-o", str(tmp_path / "o.gcomp")], capsys)
+
+
+def test_bad_settings_of_the_environment_and_graphs_for_info_are_named(gcn_art, tmp_path,
+                                                                       capsys, monkeypatch):
+    """GCOMP_CUDA_DEVICE that is no number (an int() traceback); info --graph of a graph
+    the model cannot take (it planned memory for it)."""
+    cu = tmp_path / "cu.gcomp"
+    art = compile_model(models.build("gcn", 8, hidden=4, out_channels=3), "cuda")
+    art.save(cu)
+    monkeypatch.setenv("GCOMP_CUDA_DEVICE", "abc")
+    assert "GCOMP_CUDA_DEVICE='abc': give the number of a CUDA device" in _err(
+        ["run", str(cu), "--graph", "cora", "--out", str(tmp_path / "y.npy")], capsys)
+    small = tmp_path / "small.gcomp"
+    compile_model(models.build("gcn", 8, hidden=4, out_channels=3)).save(small)
+    assert "graph 'cora' has 1433 features per node; the model's input 'x' takes 8" in _err(
+        ["info", str(small), "--graph", "cora"], capsys)
+
+
+@pytest.mark.parametrize("member,edit,msg", [
+    ("manifest.json", lambda m: {**m, "files": sorted(m["files"])},
+     "its manifest's files are not a table"),
+    ("ir/source.ir", b"\xff\xfe not text", "an IR member is not text"),
+])
+def test_members_that_match_their_digests_but_not_their_kind_are_corrupt(gcn_art, tmp_path,
+                                                                        capsys, member, edit,
+                                                                        msg):
+    """As a repacking tool would leave them (digests recomputed): tracebacks before."""
+    import hashlib
+    with zipfile.ZipFile(gcn_art) as z:
+        members = {n: z.read(n) for n in z.namelist()}
+    manifest = json.loads(members["manifest.json"])
+    if member == "manifest.json":
+        manifest = edit(manifest)
+    else:
+        members[member] = edit
+        manifest["files"][member] = hashlib.sha256(edit).hexdigest()
+    members["manifest.json"] = json.dumps(manifest).encode()
+    bad = tmp_path / "bad.gcomp"
+    with zipfile.ZipFile(bad, "w") as z:
+        for n, b in members.items():
+            z.writestr(n, b)
+    assert msg in _err(["info", str(bad)], capsys)

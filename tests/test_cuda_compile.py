@@ -153,11 +153,47 @@ def test_arch_without_cuda_is_refused(tmp_path, capsys):
 
 
 def test_missing_nvcc_is_a_compile_error(monkeypatch, tmp_path):
-    monkeypatch.setenv("GCOMP_NVCC", str(tmp_path / "no-nvcc"))
+    monkeypatch.delenv("GCOMP_NVCC", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-cuda"))
     with pytest.raises(CompileError, match="needs nvcc"):
         compile_model(_small("gcn"), "cuda")
+
+
+def test_a_bad_nvcc_is_named(monkeypatch, tmp_path):
+    """GCOMP_NVCC naming no program was passed over for the nvcc on PATH; one that exits
+    0 without writing the fatbin gave a FileNotFoundError traceback."""
+    monkeypatch.setenv("GCOMP_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("GCOMP_NVCC", str(tmp_path / "no-nvcc"))
+    with pytest.raises(CompileError, match="GCOMP_NVCC=.*no-nvcc' is not an executable file"):
+        compile_model(_small("gcn"), "cuda")
+    for program, msg in (("/bin/true", "exited 0 but wrote no device code"),
+                         ("/bin/false", "failed to compile the CUDA kernels for sm_90: "
+                                        "\\(exit code 1, no output\\)")):
+        monkeypatch.setenv("GCOMP_NVCC", program)
+        with pytest.raises(CompileError, match=msg):
+            compile_model(_small("gcn"), "cuda")
+
+
+def test_target_options_of_the_other_target_are_refused():
+    with pytest.raises(CompileError, match="mcpu 'skylake' is a CPU, for target llvm"):
+        compile_model(_small("gcn"), "cuda", mcpu="skylake")
+    with pytest.raises(CompileError, match="arch 'sm_80' is a GPU architecture"):
+        compile_model(_small("gcn"), "llvm", arch="sm_80")
+
+
+def test_a_damaged_cache_entry_is_built_again(monkeypatch, tmp_path):
+    """A truncated cached library was packed into the artifact as it was."""
+    from gcomp.codegen.cuda_build import inspect_library
+    from gcomp.runtime.artifact import LIB_NAME
+    monkeypatch.setenv("GCOMP_CACHE_DIR", str(tmp_path))
+    compile_model(_small("gcn"), "cuda")
+    (cached,) = tmp_path.glob("*.cuda.so")
+    cached.write_bytes(cached.read_bytes()[:1000])
+    art = compile_model(_small("gcn"), "cuda")
+    lib = tmp_path / LIB_NAME
+    lib.write_bytes(art.lib_bytes)
+    assert any(e["arch"] == 90 for e in inspect_library(lib)["entries"])
 
 
 def test_unschedulable_kernel_names_the_kernel(monkeypatch):

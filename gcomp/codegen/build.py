@@ -29,6 +29,11 @@ def host_cpu() -> str:
 
 def make_target(kind: str, mcpu: str | None = None, arch: str | None = None) -> dict:
     """The JSON target dict for ``kind`` (``llvm``: host CPU unless ``mcpu`` given)."""
+    if kind == "llvm" and arch is not None:
+        raise CompileError(f"arch {arch!r} is a GPU architecture, for target cuda, not llvm")
+    if kind == "cuda" and mcpu is not None:
+        raise CompileError(f"mcpu {mcpu!r} is a CPU, for target llvm, not cuda (the host "
+                           "side of a cuda artifact is generic x86-64)")
     if kind == "llvm":
         if mcpu is not None:
             triple = tvm.get_global_func("target.llvm_get_system_triple")()

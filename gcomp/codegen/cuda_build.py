@@ -140,7 +140,12 @@ def schedule_module(specs: dict[str, KernelSpec], target: dict,
 
 # ---------------------------------------------------------------------- device code
 def find_nvcc() -> str:
-    for cand in (os.environ.get("GCOMP_NVCC"), shutil.which("nvcc"),
+    named = os.environ.get("GCOMP_NVCC")
+    if named:  # the user's choice or an error: not silently another nvcc
+        if not (os.path.isfile(named) and os.access(named, os.X_OK)):
+            raise CompileError(f"GCOMP_NVCC={named!r} is not an executable file")
+        return named
+    for cand in (shutil.which("nvcc"),
                  os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")):
         if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
             return cand
@@ -160,8 +165,12 @@ def compile_device_code(source: str, arch: str) -> bytes:
                "-o", str(out), str(src)]
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if proc.returncode != 0:
-            tail = "\n".join(proc.stdout.strip().splitlines()[-20:])
-            raise CompileError(f"nvcc failed to compile the CUDA kernels for {arch}:\n{tail}")
+            tail = "\n".join(proc.stdout.strip().splitlines()[-20:]) or \
+                f"(exit code {proc.returncode}, no output)"
+            raise CompileError(f"nvcc ({cmd[0]}) failed to compile the CUDA kernels for "
+                               f"{arch}: {tail}")
+        if not out.is_file() or out.stat().st_size == 0:
+            raise CompileError(f"nvcc ({cmd[0]}) exited 0 but wrote no device code for {arch}")
         return out.read_bytes()
 
 
@@ -369,7 +378,11 @@ def build_cuda_library(specs: dict[str, KernelSpec], target: dict, cache: Path) 
         f"{sorted(specs)}|{DEVICE_CODE_FORMAT}".encode()).hexdigest()[:24]
     path = cache / f"{key}.cuda.so"
     if path.exists():
-        return path
+        try:  # a damaged cache entry (a truncated write, a disk error) is built again
+            inspect_library(path)
+            return path
+        except (ValueError, struct.error, OSError):
+            path.unlink(missing_ok=True)
     try:
         lib = tvm.compile(mod, target=tvm_target(target))
     except Exception as e:  # noqa: BLE001

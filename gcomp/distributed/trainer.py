@@ -36,6 +36,9 @@ class DistributedTrainer(Trainer):
         (default: rank 0 computes one with ``method``/``hosts`` and broadcasts it)."""
         require_training(artifact)
         check_seed(seed)  # before any rank partitions with it
+        if artifact.target.get("kind") != "llvm":  # before loading its (GPU) runtime
+            raise InputError("distributed training runs CPU (llvm) artifacts for now; one rank "
+                             "per GPU is described in docs/distributed.md")
         if artifact.manifest.get("precision", "fp32") != "fp32":
             # the halo exchange sends float32 rows
             raise DistributedError("distributed training runs float32 artifacts; this one "
@@ -65,9 +68,6 @@ class DistributedTrainer(Trainer):
         self.shard = sh = build_shard(graph, self.parts, rank, size)
         lib = artifact.library()
         dev = artifact.device()
-        if dev.dlpack_device_type() != 1:  # kDLCPU; see docs/distributed.md for GPUs
-            raise InputError("distributed training runs CPU (llvm) artifacts for now; one rank "
-                             "per GPU is described in docs/distributed.md")
         self.store: dict = {}
         self.train_ex = DistExecutor(artifact.train_plan, lib, artifact.params, self.store, dev,
                                      sh, self.comm, graph)

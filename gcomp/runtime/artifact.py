@@ -54,6 +54,15 @@ def tvm_version() -> str:
         return tvm.__version__
 
 
+def cuda_device_index() -> int:
+    """The CUDA device ``$GCOMP_CUDA_DEVICE`` names (default 0)."""
+    text = os.environ.get("GCOMP_CUDA_DEVICE", "0")
+    if not text.strip().isdigit():
+        raise ArtifactError(f"GCOMP_CUDA_DEVICE={text!r}: give the number of a CUDA device "
+                            f"(0 for the first)")
+    return int(text)
+
+
 class Artifact:
     """A compiled model: plan, parameters, kernel library, and its description."""
 
@@ -119,15 +128,18 @@ class Artifact:
         import tvm
         if self.target.get("kind") != "cuda":
             return tvm.cpu()
+        index = cuda_device_index()
         load_cuda_runtime()
-        dev = tvm.cuda(int(os.environ.get("GCOMP_CUDA_DEVICE", "0")))
+        dev = tvm.cuda(index)
         try:
             present = bool(dev.exist)
         except Exception:  # noqa: BLE001 - no driver: the CUDA runtime cannot even ask
             present = False
         if not present:
+            which = "none was found" if index == 0 else f"there is no CUDA device {index} " \
+                "(GCOMP_CUDA_DEVICE)"
             raise ArtifactError(f"this artifact was compiled for CUDA ({self.target.get('arch')}) "
-                                f"and needs a CUDA GPU; none was found")
+                                f"and needs a CUDA GPU; {which}")
         return dev
 
     def library(self):
@@ -135,6 +147,7 @@ class Artifact:
         if self._lib is None:
             import tvm
             if self.target.get("kind") == "cuda":
+                cuda_device_index()  # a bad setting is named before the runtime's errors
                 load_cuda_runtime()
             lacks = missing(self.manifest.get("isa", []))
             if lacks:
@@ -289,6 +302,9 @@ def load(path: str | Path) -> Artifact:
             raise ArtifactError(f"{str(path)!r} was built with TVM {built_tvm}; this runtime has "
                                 f"TVM {here}: recompile the model with this version")
         files = manifest.get("files") or {}
+        if not isinstance(files, dict):
+            raise ArtifactError(f"{str(path)!r} is corrupt: its manifest's files are not a "
+                                f"table of members and digests")
         data = {}
         for name, digest in files.items():
             if name not in names:
@@ -329,5 +345,9 @@ def load(path: str | Path) -> Artifact:
     except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
         raise ArtifactError(f"{str(path)!r} is corrupt: params.npz: {e}") from None
     _check_plans(path, [p for p in (plan, train_plan) if p], params)
-    ir = {n[3:-3]: data[n].decode() for n in data if n.startswith("ir/")}
+    try:
+        ir = {n[3:-3]: data[n].decode() for n in data if n.startswith("ir/")}
+    except UnicodeDecodeError as e:
+        raise ArtifactError(f"{str(path)!r} is corrupt: an IR member is not text: "
+                            f"{e}") from None
     return Artifact(manifest, plan, params, data[LIB_NAME], ir, train_plan)
