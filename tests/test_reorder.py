@@ -71,6 +71,7 @@ def test_cuda_plans_bind_skewed_graphs_in_degree_order(capsys):
     assert gpu.reorder["chosen"] == "degree" and cpu.reorder["chosen"] == "given"
     # the bound graph is the relabelled one: row i holds the user's node order[i]
     np.testing.assert_array_equal(gpu.graph.x, g.x[gpu.order])
-    assert main(["explain", "gcn", "-t", "cuda", "--graph", "pubmed-synth"]) == 0
+    assert main(["explain", "gcn", "--in", str(g.x.shape[1]), "-t", "cuda", "--graph",
+                 "pubmed-synth"]) == 0
     out = capsys.readouterr().out
     assert "node order: degree (GPU, degrees' CV" in out
