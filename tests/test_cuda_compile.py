@@ -354,3 +354,13 @@ def test_cuda_artifact_of_an_older_plan_version_is_refused(tmp_path):
                 artifact.load(old)
         else:
             assert artifact.load(old).plan.steps
+
+
+@pytest.mark.parametrize("name,value", [("GCOMP_CUDA_EDGE_GROUP", "abc"),
+                                        ("GCOMP_CUDA_EDGE_GROUP", "0"),
+                                        ("GCOMP_CUDA_MM_ROWS", "-5")])
+def test_bad_tuning_knobs_are_named(monkeypatch, name, value):
+    """int() raised, or TVM divided by zero deep in a schedule."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(CompileError, match=f"{name}='{value}': a tuning knob takes an integer"):
+        compile_model(_small("gcn"), "cuda")

@@ -22,7 +22,6 @@ split)], out (float32, n x H*C).
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 
 from tvm import tirx
@@ -31,7 +30,7 @@ from tvm.script.ir_builder import tirx as T
 
 from gcomp.codegen import epilogue as epi
 from gcomp.codegen.fastmath import fast_exp
-from gcomp.codegen.kernels import arg, bound, definer, stored_bf16
+from gcomp.codegen.kernels import arg, bound, definer, env_knob, stored_bf16
 from gcomp.codegen.rng_expr import keep
 
 NEG_INF = -3.4028234663852886e38
@@ -72,7 +71,7 @@ def edge_groups(lo, hi, load, fold, group: int | None = None) -> None:
     guards them), then ``fold(u, valid)`` for each in edge order (``valid``: the edge is
     one of lo..hi)."""
     if group is None:
-        group = int(os.environ.get(EDGE_GROUP_ENV, EDGE_GROUP))
+        group = env_knob(EDGE_GROUP_ENV, EDGE_GROUP)
     with T.serial(0, (hi - lo + group - 1) // group) as g:
         IRBuilder.name("g", g)
         edges = [lo + g * group + u for u in range(group)]

@@ -8,7 +8,6 @@ Shapes in a spec use ``"n"`` for the one symbolic leading axis a kernel sees
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 from tvm import te, tirx
@@ -18,7 +17,7 @@ from tvm.script.ir_builder import tirx as IB
 
 from gcomp.codegen import epilogue as epi
 from gcomp.codegen.fastmath import fast_exp, fast_tanh, lanes_of, like
-from gcomp.codegen.kernels import arg, definer, stored_bf16
+from gcomp.codegen.kernels import arg, definer, env_knob, stored_bf16
 from gcomp.errors import CompileError
 
 
@@ -180,8 +179,8 @@ def gpu_mm_tiles(K: int, M: int) -> MmTiles:
     bias, 0.033 -> 0.038).  32 results a thread without a row limit (an 8 x 4 tile: 12
     shared loads per 32 multiply-adds, where 8 x 2 makes 10 per 16) made them slower,
     0.370 -> 0.418."""
-    most_results = int(os.environ.get(MM_RESULTS_ENV, "16"))
-    most_rows = int(os.environ.get(MM_ROWS_ENV, "64")) or None
+    most_results = env_knob(MM_RESULTS_ENV, 16)
+    most_rows = env_knob(MM_ROWS_ENV, 64, least=0) or None
     best = None
     for tb, nx, Mp in _column_tiles(M):
         for ta in range(1, 9):
@@ -598,8 +597,8 @@ def gpu_tn_tiles(K: int, M: int) -> TnTiles:
     the share of waiting is the same.  ``$GCOMP_CUDA_TN_WAVES`` (1), another knob, scales
     the chunks (blocks) and the partial sums' budget, so more blocks of an SM can wait
     while others compute."""
-    rows = int(os.environ.get(TN_ROWS_ENV, "16"))
-    waves = int(os.environ.get(TN_WAVES_ENV, "1"))
+    rows = env_knob(TN_ROWS_ENV, 16)
+    waves = env_knob(TN_WAVES_ENV, 1)
     best = None
     for tb, nx, Mp in _column_tiles(M):
         for ta, ny in ((ta, ny) for ta in range(1, 9) for ny in _thread_rows(K, ta, nx)):

@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -99,6 +100,21 @@ def _stored_bf16(names):
         yield
     finally:
         _STORED_BF16 = saved
+
+
+def env_knob(name: str, default: int, least: int = 1) -> int:
+    """A tuning knob from the environment (docs/cuda.md): an integer >= ``least``, or a
+    CompileError naming the variable (int() raised, or 0 divided by zero in TVM)."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = least - 1
+    if value < least:
+        raise CompileError(f"{name}={text!r}: a tuning knob takes an integer >= {least}")
+    return value
 
 
 def stored_bf16(name: str) -> bool:

@@ -54,7 +54,7 @@ one thread).
 
 from __future__ import annotations
 
-import os
+from gcomp.codegen.kernels import env_knob
 
 THREADS = 256  # threads per block
 
@@ -224,7 +224,7 @@ def agg_vector(spec) -> int:
     miscompiles a variable bound to a widened bfloat16 load)."""
     p = spec.p
     lanes = p["H"] * p["C"] // AGG_VECTOR
-    fewest = int(os.environ.get(AGG_MIN_LANES_ENV, AGG_MIN_LANES))
+    fewest = env_knob(AGG_MIN_LANES_ENV, AGG_MIN_LANES)
     wide = (p.get("split") and not p.get("bf16") and p["C"] % AGG_VECTOR == 0
             and _row_lanes_fit(lanes, fewest))
     return AGG_VECTOR if wide else 1
@@ -238,7 +238,7 @@ def agg_columns(spec, vector: int) -> int:
     (default 1) where each tile keeps at least ``AGG_MIN_LANES`` lanes tiling a warp."""
     if vector == 1:
         return 1
-    columns = int(os.environ.get(AGG_COLUMNS_ENV, 1))
+    columns = env_knob(AGG_COLUMNS_ENV, 1)
     lanes = spec.p["H"] * spec.p["C"] // vector
     ok = (spec.p["H"] == 1 and lanes % columns == 0
           and _row_lanes_fit(lanes // columns, AGG_MIN_LANES))
