@@ -597,8 +597,16 @@ def cmd_info(args) -> int:
         for s in info["signature"][io_]:
             print(f"{io_[:-1]:<10} {s['name']}: {s['type']} ({s['role']})")
     print(f"ops        {', '.join(f'{k} x{v}' for k, v in info['ops'].items())}")
+    train = (f", {info['steps']['train']} training-step steps" if "train" in info["steps"]
+             else "")
     print(f"kernels    {info['num_kernels']} ({info['steps']['bind']} bind-time steps, "
-          f"{info['steps']['run']} run steps)")
+          f"{info['steps']['run']} run steps{train})")
+    opt = info.get("optimizer")
+    if opt:  # what gcomp train of this artifact cannot change
+        shown = {k: v for k, v in opt.items() if k != "name"}
+        print(f"training   {opt['name']} {json.dumps(shown, sort_keys=True)}")
+    else:
+        print("training   none (an inference artifact; compile with --train to train)")
     print(f"parameters {info['num_parameters']} in {len(info['parameters'])} tensors")
     for k, shape in info["parameters"].items():
         print(f"           {k}: {shape}")

@@ -661,6 +661,9 @@ def test_flags_a_compiled_artifact_fixed_are_refused_at_any_value(tmp_path, caps
     assert main(["compile", "gcn", "--in", "1433", "--out", "7", "--train", "--lr", "0.05",
                  "-o", str(art)]) == 0
     capsys.readouterr()
+    assert main(["info", str(art)]) == 0  # what it fixed: the text shows it too
+    out = capsys.readouterr().out
+    assert "training   adam {" in out and '"lr": 0.05' in out and "training-step steps" in out
     train = ["train", str(art), "--graph", "cora", "--epochs", "1"]
     for flag in (["--lr", "0.01"], ["--precision", "fp32"], ["-t", "llvm"], ["--hidden", "16"]):
         assert f"{flag[0]}: {str(art)!r} is compiled" in _err(train + flag, capsys)
