@@ -720,3 +720,14 @@ def test_members_that_match_their_digests_but_not_their_kind_are_corrupt(gcn_art
         for n, b in members.items():
             z.writestr(n, b)
     assert msg in _err(["info", str(bad)], capsys)
+
+
+def test_a_truncated_artifact_says_it_may_be_truncated(gcn_art, tmp_path, capsys):
+    """Cut after its stored params.npz, an artifact reads as that archive: 'not a gcomp
+    artifact' alone misled."""
+    with zipfile.ZipFile(gcn_art) as z:
+        cut = z.getinfo(artifact.LIB_NAME).header_offset + 100
+    bad = tmp_path / "cut.gcomp"
+    bad.write_bytes(Path(gcn_art).read_bytes()[:cut])
+    assert "is not a gcomp artifact or is truncated (no manifest.json)" in _err(
+        ["info", str(bad)], capsys)

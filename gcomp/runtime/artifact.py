@@ -279,7 +279,10 @@ def load(path: str | Path) -> Artifact:
     with zf:
         names = set(zf.namelist())
         if "manifest.json" not in names:
-            raise ArtifactError(f"{str(path)!r} is not a gcomp artifact (no manifest.json)")
+            # a truncated artifact reads as the archive it stores last (params.npz)
+            cut = " or is truncated" if names and all(n.endswith(".npy") for n in names) else ""
+            raise ArtifactError(f"{str(path)!r} is not a gcomp artifact{cut} (no "
+                                f"manifest.json)")
         try:
             manifest = json.loads(zf.read("manifest.json"))
         except (ValueError, zipfile.BadZipFile, OSError) as e:
