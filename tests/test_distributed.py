@@ -281,6 +281,7 @@ def test_python_api_ranks_fail_together_when_rank_0_cannot_partition(artifacts, 
     _, paths = artifacts
     script = tmp_path / "tiny.py"
     script.write_text(f"""
+import sys
 import numpy as np
 from gcomp.distributed.trainer import DistributedTrainer
 from gcomp.runtime.artifact import load
@@ -289,8 +290,9 @@ g = GraphData(edge_index=np.array([[0, 1], [1, 2]]), num_nodes=3,
               x=np.ones((3, 1433), np.float32), y=np.array([0, 1, 2]), name="tiny")
 try:
     DistributedTrainer(load({paths[0]!r}), g)
-except Exception as e:
-    print("failed:", e, flush=True)
+except Exception as e:  # one write: ranks' print() calls interleave their parts
+    sys.stdout.write(f"failed: {{e}}\\n")
+    sys.stdout.flush()
 """)
     t0 = time.perf_counter()
     r = _mpirun(4, [sys.executable, str(script)], timeout=120, env={"GCOMP_DIST_TIMEOUT": "60"})
@@ -438,6 +440,7 @@ def test_set_parameters_must_agree_across_ranks(artifacts, tmp_path):
     _, paths = artifacts
     script = tmp_path / "setp.py"
     script.write_text(f"""
+import sys
 import numpy as np
 from gcomp.distributed.trainer import DistributedTrainer
 from gcomp.runtime.artifact import load
@@ -448,8 +451,9 @@ tr.set_parameters({{name: np.full_like(w, 0.01)}})
 tr.step()
 try:
     tr.set_parameters({{name: np.full_like(w, 0.01 * (1 + tr.rank))}})
-except Exception as e:
-    print("refused:", e, flush=True)
+except Exception as e:  # one write: two ranks' print() calls interleave their parts
+    sys.stdout.write(f"refused: {{e}}\\n")
+    sys.stdout.flush()
 """)
     r = _mpirun(2, [sys.executable, str(script)], timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
