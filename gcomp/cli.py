@@ -358,7 +358,7 @@ def _train(args, comm=None) -> int:
         raise GcompError("--epochs must be >= 0")
     if comm is None:
         given = _flags_given(args, (("--parts", "parts"), ("--hosts", "hosts"),
-                                                ("--partition", "partition")))
+                                    ("--partition", "partition")))
         if given:
             raise GcompError(f"{', '.join(given)}: these split the graph across MPI ranks; "
                              f"this is one process (start it with mpiexec -n K gcomp train ...)")
@@ -393,8 +393,7 @@ def _train(args, comm=None) -> int:
                          f"rows in the partition's order (its own nodes, then the halo rows "
                          f"it receives)")
     if comm is not None and args.parts:
-        given = _flags_given(args, (("--partition", "partition"),
-                                                ("--hosts", "hosts")))
+        given = _flags_given(args, (("--partition", "partition"), ("--hosts", "hosts")))
         if given:
             raise GcompError(f"{', '.join(given)}: --parts gives the partition; these choose "
                              f"one when it is not given")
