@@ -98,19 +98,13 @@ def _optimizer_from_args(args):
 
 def cmd_compile(args) -> int:
     from gcomp.compiler import compile_model
-    from gcomp.runtime.artifact import FORMAT
+    from gcomp.runtime.artifact import FORMAT, manifest_format
     from gcomp.runtime.data import graph_file
 
     out = Path(args.output)
     _check_output_path(out, _files(args.model, graph_file(args.graph)), "artifact")
     if out.exists() and not args.force:
-        import zipfile
-        try:
-            with zipfile.ZipFile(out) as z:
-                is_artifact = FORMAT in z.read("manifest.json").decode()
-        except (zipfile.BadZipFile, KeyError, OSError, UnicodeDecodeError):
-            is_artifact = False
-        if not is_artifact:
+        if manifest_format(out) != FORMAT:
             raise GcompError(f"{str(out)!r} exists and is not a gcomp artifact; not overwriting "
                              "it (use --force)")
     t0 = time.perf_counter()
@@ -541,15 +535,13 @@ def cmd_info(args) -> int:
     art = artifact.load(args.artifact)
     info = art.info()
     if args.graph:  # the memory plan needs a graph's node and edge counts
-        from gcomp.runtime.data import load_graph
+        from gcomp.runtime.data import check_feature_width, load_graph
         from gcomp.runtime.graph import GraphStructure
         g = load_graph(args.graph)
-        for inp in art.plan.inputs:  # a plan for a graph it cannot run would mislead
-            dims = inp.get("dims", ())
-            if (inp["role"] == "node" and inp.get("dtype", "float32") == "float32"
-                    and len(dims) == 2 and g.num_features not in (None, dims[1])):
-                raise GcompError(f"graph {g.name!r} has {g.num_features} features per node; "
-                                 f"the model's input {inp['name']!r} takes {dims[1]}")
+        # a plan for a graph it cannot run would mislead
+        check_feature_width(g, [(inp["name"], inp["dims"][1]) for inp in art.plan.inputs
+                                if inp["role"] == "node" and len(inp.get("dims", ())) == 2
+                                and inp.get("dtype", "float32") == "float32"])
         info["memory"] = {}
         for label, plan in (("inference", art.plan), ("training", art.train_plan)):
             if plan is None:
@@ -642,31 +634,27 @@ def _reorder_flag(p) -> None:
 
 def _is_artifact(model: str) -> bool:
     """Whether ``model`` names an artifact: a .gcomp file, or a file of another name that
-    holds a gcomp manifest (a renamed artifact, as gcomp run and info take)."""
-    import zipfile
-    if str(model).lower().endswith(".gcomp"):
-        return True
-    try:
-        with zipfile.ZipFile(model) as z:
-            return "manifest.json" in z.namelist()
-    except (OSError, zipfile.BadZipFile):
-        return False
+    holds a manifest (a renamed artifact, as gcomp run and info take; loading one of
+    another format says so)."""
+    from gcomp.runtime.artifact import manifest_format
+    return str(model).lower().endswith(".gcomp") or manifest_format(model) is not None
 
 
 def _flags_given(args, flags) -> list[str]:
     """The flags of ``(flag, dest)`` pairs given on the command line (``args.argv``),
     whatever their values: a flag set to its default is given too."""
-    parser = _parser()
-    actions = list(parser._actions)
-    for a in parser._actions:  # every subcommand's options, their defaults suppressed
-        if isinstance(a, argparse._SubParsersAction):
-            for sub in a.choices.values():
-                actions += sub._actions
-    for a in actions:
-        if a.option_strings:
-            a.default = argparse.SUPPRESS
-    given = vars(parser.parse_args(args.argv))
-    return [flag for flag, dest in flags if dest in given]
+    if not hasattr(args, "given"):  # parsed once per command
+        parser = _parser()
+        actions = list(parser._actions)
+        for a in parser._actions:  # every subcommand's options, their defaults suppressed
+            if isinstance(a, argparse._SubParsersAction):
+                for sub in a.choices.values():
+                    actions += sub._actions
+        for a in actions:
+            if a.option_strings:
+                a.default = argparse.SUPPRESS
+        args.given = set(vars(parser.parse_args(args.argv)))
+    return [flag for flag, dest in flags if dest in args.given]
 
 
 def _seed(text: str) -> int:

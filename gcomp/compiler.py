@@ -116,12 +116,9 @@ def target_formats(tgt: dict) -> tuple:
 
 def check_feature_width(model: Model, graph) -> None:
     """A CompileError where ``graph``'s features are not as wide as the model's input."""
-    if graph.num_features is None:
-        return
-    for n in model.node_feature_inputs():
-        if len(n.ty.shape) == 2 and n.ty.shape[1] != graph.num_features:
-            raise CompileError(f"graph {graph.name!r} has {graph.num_features} features per "
-                               f"node; the model's input {n.name!r} takes {n.ty.shape[1]}")
+    from gcomp.runtime.data import check_feature_width as check
+    check(graph, [(n.name, n.ty.shape[1]) for n in model.node_feature_inputs()
+                  if len(n.ty.shape) == 2], CompileError)
 
 
 def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None = None,

@@ -290,6 +290,17 @@ def test_cli_refuses_to_overwrite_inputs(gcn_art, tmp_path, capsys):
     user_file.write_text("mine")
     err = _err(["compile", "gcn", "-o", str(user_file)], capsys)
     assert "not a gcomp artifact" in err and user_file.read_text() == "mine"
+    # another tool's zip with a manifest of its own is no artifact either, whatever its name
+    foreign = tmp_path / "other.gcomp"
+    with zipfile.ZipFile(foreign, "w") as z:
+        z.writestr("manifest.json", '{"format": "other-tool"}')
+    before_zip = foreign.read_bytes()
+    err = _err(["compile", "gcn", "-o", str(foreign)], capsys)
+    assert "not a gcomp artifact" in err and foreign.read_bytes() == before_zip
+    renamed = tmp_path / "other.zip"
+    renamed.write_bytes(before_zip)
+    err = _err(["train", str(renamed), "--graph", "cora", "--epochs", "1"], capsys)
+    assert "is not a gcomp artifact (manifest format 'other-tool')" in err
     # --out names the arrays' file: a mistyped path to another file is refused, not replaced
     err = _err(["run", str(gcn_art), "--graph", "cora", "--out", str(user_file)], capsys)
     assert ".npy or .npz" in err and user_file.read_text() == "mine"

@@ -41,6 +41,22 @@ LIB_NAME = "kernels.so"
 _EXECUTOR_LOCK = threading.Lock()
 
 
+def manifest_format(path: str | Path) -> str | None:
+    """The format a zip's manifest names ("" where it names none or cannot be read), or
+    None where ``path`` is no zip holding a manifest: what tells an artifact (FORMAT),
+    which may be replaced by a new one, from files that are not."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            text = z.read("manifest.json")
+    except (zipfile.BadZipFile, KeyError, OSError):
+        return None
+    try:
+        manifest = json.loads(text)
+    except ValueError:  # not JSON, or not text
+        return ""
+    return str(manifest.get("format") or "") if isinstance(manifest, dict) else ""
+
+
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 

@@ -116,6 +116,15 @@ def check_sparse(x, what: str = "features"):
     return x
 
 
+def check_feature_width(graph: GraphData, widths, error: type = InputError) -> None:
+    """``error`` naming the first ``(input name, features)`` pair of ``widths`` that
+    ``graph``'s node features do not match (a graph without features matches any)."""
+    for name, width in widths:
+        if graph.num_features is not None and width != graph.num_features:
+            raise error(f"graph {graph.name!r} has {graph.num_features} features per node; "
+                        f"the model's input {name!r} takes {width}")
+
+
 def check_features(x, num_nodes: int | None, what: str = "features"):
     if sp.issparse(x):
         x = check_sparse(x, what)
