@@ -260,7 +260,8 @@ def test_matmul_widths(K, M):
 
 
 @pytest.mark.parametrize("tuning,K,M", [("default", 300, 16), ("default", 128, 130),
-                                        ("default", 9, 3),
+                                        ("default", 9, 3), ("default", 128, 32),
+                                        ("default", 32, 40), ("default", 128, 64),
                                      ("avx512", 128, 32), ("avx512", 32, 40),
                                      ("avx512", 130, 64), ("avx512", 500, 16),
                                      ("avx512", 16, 7), ("avx512", 40, 384),

@@ -535,15 +535,17 @@ def _matmul_rows(K: int, M: int, tuning: str) -> int | None:
     5.0 ms in cache, 13.6 -> 6.4 read from memory with the prefetch; 40 -> 32 1.9 -> 1.4;
     128 -> 128 34 -> 21; 1433 -> 16 124 -> 38 with 16 rows); rows at a time for shorter
     rows (16 -> 32 0.65 vs 0.79 ms) and outputs of 16 vectors or more (128 -> 256).
-    ``default`` (AMD EPYC Zen 4, 9 interleaved runs): groups win for long rows (K >= 256:
-    500 -> 16 5.5 -> 2.7 ms, 1433 -> 16 5.5 -> 2.5 ms), wide outputs over K >= 128 (128 ->
-    128 7.5 -> 4.6 ms) and widths the vector unit does not divide (16 -> 7 4.0 -> 1.2 ms);
-    rows at a time for short rows into 16 to 64 columns (32 -> 32 2.5 vs 3.7 ms, 128 -> 32
-    16.8 vs 16.9 at best).  ``avx2`` (AMD EPYC Zen 3, arxiv-size rows, interleaved): groups
+    ``default`` (AMD EPYC Zen 4, arxiv-size rows read from memory, 2 threads, 7 to 9
+    interleaved calls, 2026-11-28): groups for every shape but the shortest rows, 8 rows
+    into at most 32 columns, 4 below 64, 2 from there: 128 -> 32 10.5 -> 6.2 ms (R = 4 6.4,
+    16 8.3), 32 -> 32 2.24 -> 1.59, 32 -> 40 2.67 -> 2.03 (R = 4), 40 -> 32 2.75 -> 2.12,
+    16 -> 32 1.30 -> 1.08, 32 -> 16 2.10 -> 1.70, 128 -> 64 16.6 -> 12.5 (R = 2), 128 -> 128
+    58.0 -> 26.4 (R = 2; 4 44.4), 32 -> 128 8.6 -> 6.6 (R = 2); rows at a time for 4 -> 32
+    (1.37 vs 1.42 with R = 4).  ``avx2`` (AMD EPYC Zen 3, arxiv-size rows, interleaved): groups
     for every shape since their sums stay on the stack (``_scratch``): 32 -> 32 4.8 ->
     3.4 ms, 32 -> 40 5.2 -> 3.9, 40 -> 32 5.4 -> 3.7, 16 -> 40 3.7 -> 2.4, 128 -> 32 14.2
     -> 9.7, all with groups of 2; 128 -> 128 73.7 -> 40.3 with 4 in 16-column tiles.  The
-    other tunings' rules were measured while a group's sums were allocated from TVM's
+    ``avx512`` rules were measured while a group's sums were allocated from TVM's
     workspace pool in every group."""
     if tuning == "avx512":
         if K < 32 and M % 8 == 0:
@@ -558,7 +560,7 @@ def _matmul_rows(K: int, M: int, tuning: str) -> int | None:
         if K >= 256 and floats <= 16:
             return 8
         return max(1, min(4, AVX2_ACC_FLOATS // floats))
-    if not (K >= 256 or (K >= 128 and M >= 64) or M % 8 != 0):
+    if K < 8 and M % 8 == 0:
         return None
     return 8 if M <= 32 else 4 if M < 64 else 2
 
