@@ -596,6 +596,9 @@ def cmd_info(args) -> int:
     if opt:  # what gcomp train of this artifact cannot change
         shown = {k: v for k, v in opt.items() if k != "name"}
         print(f"training   {opt['name']} {json.dumps(shown, sort_keys=True)}")
+        if info["untrained"]:
+            print(f"untrained  {', '.join(info['untrained'])} (the loss does not depend on "
+                  "them: training leaves them as they are)")
     else:
         print("training   none (an inference artifact; compile with --train to train)")
     print(f"parameters {info['num_parameters']} in {len(info['parameters'])} tensors")

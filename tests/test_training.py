@@ -649,3 +649,85 @@ def test_sparse_aggregated_features_follow_features_changed_in_place():
     fresh = executor(store=kept)
     _, ref = loss(fresh, fresh.bind(g, {"x": x}))
     assert abs(changed - ref) <= 1e-5 * abs(ref)
+
+
+def test_a_parameter_the_loss_does_not_depend_on_is_left_as_it_is():
+    """A head feeding only a second output (an auxiliary read-out) gets no gradient and no
+    update, weight decay included, as torch's optimizers skip a parameter whose .grad is
+    None; the rest trains step for step as the model without that head."""
+    from gcomp.frontend.builder import Linear, Module
+    from gcomp.models.gcn import GCNConv
+
+    class OneHead(Module):
+        def __init__(self):
+            self.conv = GCNConv(6, 3)
+
+        def forward(self, x, edge_index):
+            return self.conv(x, edge_index)
+
+    class TwoHeads(OneHead):
+        def __init__(self):
+            super().__init__()
+            self.aux = Linear(6, 2)
+
+        def forward(self, x, edge_index):
+            return self.conv(x, edge_index), self.aux(x)
+
+    g = labelled(awkward_graph(num_nodes=50, num_edges=250, num_features=6, seed=4), 3)
+    inputs = {"x": NodeInput(6), "edge_index": GraphInput()}
+    opt = OptimizerConfig(name="adam", lr=0.05, weight_decay=0.1)
+    two = compile_model(trace(TwoHeads(), inputs, seed=1), train=True, optimizer=opt)
+    assert two.info()["untrained"] == ["aux.weight", "aux.bias"]
+    tr2 = Trainer(two, g, seed=0)
+    tr1 = Trainer(compile_model(trace(OneHead(), inputs, seed=2), train=True, optimizer=opt),
+                  g, seed=0)
+    start = tr2.parameters()
+    tr1.set_parameters({k: start[k] for k in ("conv.lin.weight", "conv.bias")})
+    for _ in range(3):
+        assert abs(tr2.step() - tr1.step()) <= 1e-6
+        assert sorted(tr2.gradients()) == ["conv.bias", "conv.lin.weight"]
+    after, ref = tr2.parameters(), tr1.parameters()
+    for k in ("conv.lin.weight", "conv.bias"):
+        assert rel_err(after[k], ref[k]) <= 1e-6 and rel_err(after[k], start[k]) > 1e-3, k
+    for k in ("aux.weight", "aux.bias"):
+        assert np.array_equal(after[k], start[k]), k
+
+
+def test_autodiff_skips_a_parameter_of_another_output():
+    """The pass on a graph whose loss is one output of several: a parameter feeding only
+    another output gets no gradient (the optimizer then leaves it as it is)."""
+    from gcomp.frontend.builder import Linear, Module
+    from gcomp.models.gcn import GCNConv
+    from gcomp.passes import PassManager
+    from gcomp.passes.add_loss import AddLoss
+    from gcomp.passes.autodiff import Autodiff
+
+    class TwoHeads(Module):
+        def __init__(self):
+            self.conv, self.aux = GCNConv(6, 3), Linear(6, 2)
+
+        def forward(self, x, edge_index):
+            return self.conv(x, edge_index), self.aux(x)
+
+    graph = trace(TwoHeads(), {"x": NodeInput(6), "edge_index": GraphInput()}).graph
+    aux = graph.outputs[1]
+    PassManager([AddLoss()])(graph)
+    graph.set_outputs([graph.outputs[0], aux])
+    PassManager([Autodiff()])(graph)
+    assert sorted(graph.meta["grads"]) == ["conv.bias", "conv.lin.weight"]
+    assert len(graph.outputs) == 3
+
+
+def test_a_loss_no_parameter_influences_is_refused():
+    from gcomp.frontend.builder import Linear, Module
+
+    class Fixed(Module):
+        def __init__(self):
+            self.aux = Linear(6, 2)
+
+        def forward(self, x, edge_index):
+            return edge_index.aggregate(x, "sum"), self.aux(x)
+
+    m = trace(Fixed(), {"x": NodeInput(6), "edge_index": GraphInput()})
+    with pytest.raises(GcompError, match="no parameter influences the loss"):
+        compile_model(m, train=True)

@@ -4,9 +4,11 @@ Expects: a graph whose first output is a scalar loss (``f32[]``), after
 ``canonicalize`` and ``fuse_aggregate`` (so aggregation is already sparse and
 its backward is too).
 Guarantees: the graph's outputs become ``[loss, d loss / d p for every
-parameter p]`` and ``graph.meta["grads"]`` maps each parameter name to the
-name of its gradient value.  Only values on a path from a parameter to the
-loss are differentiated.  The backward pass of an aggregation over in-edges is
+parameter p the loss depends on]`` and ``graph.meta["grads"]`` maps each such
+parameter's name to the name of its gradient value; a parameter the loss does not
+depend on (one feeding only another output) has none, and the optimizer leaves it as
+it is, as PyTorch's optimizers skip a parameter whose ``.grad`` is None.  Only values
+on a path from a parameter to the loss are differentiated.  The backward pass of an aggregation over in-edges is
 an aggregation over out-edges (the transposed graph; lowered as a gather over
 its CSC arrays, or on CUDA with memory preferred as an atomic scatter); edge
 weights get ``edge_dot``; fused attention gets ``attention_grad_dst`` and
@@ -310,10 +312,12 @@ class Autodiff(Pass):
             for i, g in _vjp(b, n, dy, lambda v: needs[v]):
                 src = n.inputs[i]
                 adj[src] = g if src not in adj else b(Op.ADD, [adj[src], g], f"grad.{src.name}")
+        if not any(p in adj for p in params):
+            raise IRError("no parameter influences the loss: there is nothing to train")
         grads = {}
         for p in params:
-            if p not in adj:
-                raise IRError(f"parameter {p.name!r} does not influence the loss")
+            if p not in adj:  # left untouched by the optimizer
+                continue
             g = adj[p]
             if g.ty != p.ty:  # e.g. a scalar parameter whose gradient kept a unit axis
                 g = b.reshape(g, p.ty.shape, f"grad.{p.name}")

@@ -116,6 +116,9 @@ class Artifact:
             "kind": "training" if self.train_plan is not None else "inference",
             "specialized": self.plan.specialized or None,
             "optimizer": m.get("optimizer"),
+            # parameters the loss does not depend on: training leaves them as they are
+            "untrained": ([k for k in self.params if k not in self.train_plan.grads]
+                          if self.train_plan is not None else []),
             "precision": m.get("precision", "fp32"),
             "cpu_features": m.get("cpu_features", []),
             # the scatter kernels add with atomics, in the GPU's order

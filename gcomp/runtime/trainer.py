@@ -191,13 +191,16 @@ class Trainer:
                 for k, g in self.artifact.train_plan.grads.items()}
 
     def parameters(self) -> dict[str, np.ndarray]:
-        return {k: self.train_ex.get(k) for k in self.artifact.train_plan.params}
+        """Every parameter of the model, those training leaves as they are included (a
+        parameter feeding only another output than the logits: ``gcomp info``'s
+        ``untrained``)."""
+        return {k: self.train_ex.get(k) for k in self.artifact.params}
 
     def set_parameters(self, params: dict[str, np.ndarray]) -> None:
         """Overwrite some of the model's parameters; each value must be finite and of the
         parameter's exact shape (a transposed [out, in] torch weight of the same size is
         refused, not reshaped).  Optimizer state is not a parameter."""
-        names = self.artifact.train_plan.params
+        names = list(self.artifact.params)
         checked = {}
         for k, v in params.items():
             if k not in names:
