@@ -379,6 +379,25 @@ def test_cost_model_weighs_ell_slots_and_rows():
     assert list(decide_layout(plan, g).chosen.values()) == ["csr"]
 
 
+def test_costs_measured_on_a_busy_machine_keep_csr():
+    """Where the format costs were measured while other processes held the machine (one
+    such fit priced CSR's rows 400x too high and Cora ran dense), auto stays in CSR even
+    against a format predicted far faster, and says why; an explicit format still runs."""
+    from gcomp.codegen.calibrate import BUSY_KEY
+    g = band_graph(n=256, edges=4000, reach=12)
+    plan = _plan_with_costs(1.0, 10.0, 0.1)  # banded predicted far faster
+    assert decide_layout(plan, g).reorder["chosen"] == "rcm"
+    assert list(decide_layout(plan, g).chosen.values()) == ["banded"]
+    for c in plan.formats["costs"].values():
+        c[BUSY_KEY] = 1.0
+    lay = decide_layout(plan, g)
+    (entry,) = lay.formats.values()
+    assert entry["chosen"] == "csr" and "busy" in entry["csr_because"]
+    assert set(entry["cost_ms"]) >= {"csr", "banded"}  # still predicted, for explain
+    assert lay.reorder["chosen"] != "rcm"  # nor reordered for a band it will not use
+    assert list(decide_layout(plan, g, formats="banded").chosen.values()) == ["banded"]
+
+
 def test_reverse_cuthill_mckee_is_tried_only_when_the_band_would_pay():
     g = band_graph(n=256, edges=4000, reach=12)  # shuffled: a wide band in the given order
     cheap_band = decide_layout(_plan_with_costs(1.0, 10.0, 0.1), g)
@@ -461,6 +480,19 @@ def test_explain_shows_the_format_costs(capsys):
                      r"banded [\d.]+ ms, ell [\d.]+ ms; ELL slots forward 13,523", text), text
     assert re.search(r"16 features: csr [\d.]+ ns/edge \+ [\d.]+ ns/row, ell [\d.]+ ns/slot",
                      text)
+
+
+def test_explain_says_when_the_format_costs_were_measured_busy(capsys, tmp_path,
+                                                                 monkeypatch):
+    from gcomp.codegen import calibrate
+    monkeypatch.setenv("GCOMP_CACHE_DIR", str(tmp_path))  # nothing measured quietly before
+    monkeypatch.setattr(calibrate, "_FORMAT_COSTS", {})
+    monkeypatch.setattr(calibrate, "CpuMonitor", lambda: _Load(1.0))
+    assert main(["explain", "gin", "--in", "1433", "--graph", "cora"]) == 0
+    text = capsys.readouterr().out
+    assert "adjacency format costs measured on the target (while the machine was busy)" in text
+    assert re.search(r"\): csr \(predicted per run: .*; csr since the format costs were "
+                     r"measured while other processes kept the machine busy", text), text
 
 
 # ------------------------------------------------------------------ specialization
@@ -570,7 +602,8 @@ def test_format_costs_taken_under_load_serve_one_compile(tmp_path, monkeypatch):
         return {"csr_edge_ns": float(len(calls))}
     monkeypatch.setattr(calibrate, "_measure_formats", measure)
     target = {"kind": "llvm"}
-    assert calibrate.calibrate_formats([32], target) == {"32": {"csr_edge_ns": 2.0}}
+    assert calibrate.calibrate_formats([32], target) == {
+        "32": {"csr_edge_ns": 2.0, calibrate.BUSY_KEY: 1.0}}
     assert calibrate.calibrate_formats([32], target) == {"32": {"csr_edge_ns": 3.0}}
     assert calibrate.calibrate_formats([32], target) == {"32": {"csr_edge_ns": 3.0}}
     assert calls == [32, 32, 32]

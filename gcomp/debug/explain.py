@@ -22,6 +22,7 @@ from math import prod
 
 import numpy as np
 
+from gcomp.codegen.calibrate import BUSY_KEY
 from gcomp.ir.graph import Graph
 from gcomp.ir.ops import Op
 from gcomp.ir.types import TensorType
@@ -211,7 +212,9 @@ def render(report: dict) -> str:
                           f"ns/entry, banded {c['banded_entry_ns']:.2f} ns/entry"
                           for w, c in sorted(report["format_costs"].items(),
                                              key=lambda kv: int(kv[0])))
-        lines.append(f"adjacency format costs measured on the target: {costs}")
+        busy = any(BUSY_KEY in c for c in report["format_costs"].values())
+        lines.append(f"adjacency format costs measured on the target"
+                     f"{' (while the machine was busy)' if busy else ''}: {costs}")
     for gname, f in report.get("formats", {}).items():
         est = ", ".join(f"{k} {v:.3f} ms" for k, v in f["cost_ms"].items())
         why = "".join(f"; no {k}: {v}" for k, v in f["why_not"].items())
@@ -220,6 +223,8 @@ def render(report: dict) -> str:
         if "banded_narrowest_ms" in f:
             why += (f"; banded in the narrowest band ({f['narrowest_block']}-row blocks) "
                     f"{f['banded_narrowest_ms']:.3f} ms")
+        if "csr_because" in f:
+            why += f"; csr since {f['csr_because']}"
         lines.append(f"format of {gname} ({f['steps']} aggregations; band blocks of "
                      f"{f['block']} rows): {f['chosen']} (predicted per run: {est}{why})")
     if "graph" in report:

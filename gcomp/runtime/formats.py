@@ -3,7 +3,8 @@
 Aggregation steps that the compiler gave dense, banded and ELL kernels
 (``step["formats"]``, ``gcomp/codegen/format_kernels.py``) run in the format the
 model predicts fastest for the bound graph, if it beats CSR by ``MARGIN`` (and ELL by
-``ELL_MIN_GAIN_MS`` per run):
+``ELL_MIN_GAIN_MS`` per run), and in CSR where the costs were measured on a busy
+machine:
 
 * ``csr``: one gathered source row per edge; cost ``edges x c_csr_edge + n x c_csr_row``
   (costs in cache, or ``_large`` when the feature rows an edge's gather reaches, twice the
@@ -177,6 +178,14 @@ def dynamic_weights(plan) -> set[str]:
     return {b for b in plan.buffers if root(b) in written}
 
 
+def measured_busy(plan) -> bool:
+    """Whether the plan's format costs were measured on a busy machine
+    (``calibrate.BUSY_KEY``): too unreliable to leave CSR for, which every graph runs
+    well enough."""
+    from gcomp.codegen.calibrate import BUSY_KEY
+    return any(BUSY_KEY in c for c in plan.formats["costs"].values())
+
+
 def _costs(plan, width: int) -> dict:
     table = plan.formats["costs"]
     if str(width) in table:
@@ -265,7 +274,11 @@ def choose(plan, sizes: dict[str, int], block: int, narrowest: int | None = None
             entry["narrowest_block"] = narrowest
             entry["banded_narrowest_ms"] = estimate(plan, steps, n, edges, "banded", narrowest,
                                                     dynamic)
-        if mode == "auto":
+        if mode == "auto" and measured_busy(plan):
+            fmt = "csr"
+            entry["csr_because"] = ("the format costs were measured while other processes "
+                                    "kept the machine busy; --format picks another")
+        elif mode == "auto":
             fmt = min(entry["cost_ms"], key=entry["cost_ms"].get)
             gain = entry["cost_ms"]["csr"] - entry["cost_ms"][fmt]
             if fmt != "csr" and (gain < (1 - MARGIN) * entry["cost_ms"]["csr"]
@@ -288,7 +301,7 @@ def band_would_pay(report: dict, mode: str) -> bool:
     """Whether narrowing the band by reordering the nodes is worth trying: the banded format
     is wanted (``mode``), or in the narrowest band it would beat the current choice."""
     for entry in report.values():
-        if "banded_narrowest_ms" not in entry:
+        if "banded_narrowest_ms" not in entry or mode != "banded" and "csr_because" in entry:
             continue
         if mode == "banded" or entry["banded_narrowest_ms"] < min(entry["cost_ms"].values(),
                                                                   default=float("inf")):
