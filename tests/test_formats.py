@@ -381,7 +381,7 @@ def test_cost_model_weighs_ell_slots_and_rows():
 
 def test_costs_measured_on_a_busy_machine_keep_csr():
     """Where the format costs were measured while other processes held the machine (one
-    such fit priced CSR's rows 400x too high and Cora ran dense), auto stays in CSR even
+    such fit priced CSR's rows 360x too high and Cora ran dense), auto stays in CSR even
     against a format predicted far faster, and says why; an explicit format still runs."""
     from gcomp.codegen.calibrate import BUSY_KEY
     g = band_graph(n=256, edges=4000, reach=12)
