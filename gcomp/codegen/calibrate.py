@@ -217,7 +217,8 @@ def calibrate_formats(widths, target: dict, block: int = 32, rows: int = 2048,
                 # for the process, it priced CSR for Cora above dense in every later compile
                 _FORMAT_COSTS[(key, F)] = costs[F]
             else:  # and only for CSR (formats.choose): under load a fit of CSR's per-row
-                # cost came out at 1.9 us instead of 5 ns, and Cora ran dense (4.45 ms a run, CSR 0.056)
+                # cost came out at 1.9 us instead of 5 ns, and Cora ran dense (4.45 ms a
+                # run by the quiet costs, CSR 0.056)
                 costs[F] = {**costs[F], BUSY_KEY: 1.0}
     return {str(F): costs[F] for F in set(widths)}
 
