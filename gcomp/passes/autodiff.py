@@ -8,13 +8,13 @@ parameter p the loss depends on]`` and ``graph.meta["grads"]`` maps each such
 parameter's name to the name of its gradient value; a parameter the loss does not
 depend on (one feeding only another output) has none, and the optimizer leaves it as
 it is, as PyTorch's optimizers skip a parameter whose ``.grad`` is None.  Only values
-on a path from a parameter to the loss are differentiated.  The backward pass of an aggregation over in-edges is
-an aggregation over out-edges (the transposed graph; lowered as a gather over
-its CSC arrays, or on CUDA with memory preferred as an atomic scatter); edge
-weights get ``edge_dot``; fused attention gets ``attention_grad_dst`` and
-``attention_grad_src`` (no edge tensors); max reductions route the gradient to
-the first maximal edge; dropout reuses its (seed, step) mask; the gradients of
-slices of one value are concatenated (zeros fill what no slice reads).
+on a path from a parameter to the loss are differentiated.  The backward pass of an
+aggregation over in-edges is an aggregation over out-edges (the transposed graph;
+lowered as a gather over its CSC arrays, or on CUDA with memory preferred as an atomic
+scatter); edge weights get ``edge_dot``; fused attention gets ``attention_grad_dst``
+and ``attention_grad_src`` (no edge tensors); max reductions route the gradient to the
+first maximal edge; dropout reuses its (seed, step) mask; the gradients of slices of
+one value are concatenated (zeros fill what no slice reads).
 
     Before:  %h = aggregate[reduce="sum"](%g, %x, %w) : f32[N,16]
              ... %loss = cross_entropy(%z, %y, %mask) : f32[]
