@@ -58,7 +58,10 @@ def test_invalid_partitions_are_refused(cora):
     for bad, msg in [(np.zeros(n - 1, int), "one part per node"),
                      (np.full(n, 2), "lie in 0..1"),
                      (np.zeros(n, int), "own no node"),
-                     (np.full(n, 0.5), "integers")]:
+                     (np.full(n, 0.5), "integers"),
+                     # as given, not as int64 (where 2^63 + 5 reads -9223372036854775803)
+                     (np.full(n, 2 ** 63 + 5, np.uint64), r"got 9223372036854775813\.\."),
+                     (np.full(n, 7.0), r"got 7\.\.7$")]:
         with pytest.raises(InputError, match=msg):
             check_parts(bad, n, 2)
     with pytest.raises(InputError, match="positive"):

@@ -140,9 +140,12 @@ def check_parts(parts, num_nodes: int, k: int) -> np.ndarray:
         if not np.issubdtype(p.dtype, np.floating) or not np.all(np.isfinite(p)) \
                 or np.any(p != np.round(p)):
             raise InputError("partition ids must be integers")
-    p = p.astype(np.int64)
+    # the range is checked in the given type (whole numbers by now): a uint64 id of 2^63
+    # or more reads negative as int64
     if num_nodes and (p.min() < 0 or p.max() >= k):
-        raise InputError(f"partition ids must lie in 0..{k - 1}, got {p.min()}..{p.max()}")
+        raise InputError(f"partition ids must lie in 0..{k - 1}, got "
+                         f"{int(p.min())}..{int(p.max())}")
+    p = p.astype(np.int64)
     counts = np.bincount(p, minlength=k)
     if (counts == 0).any():
         raise InputError(f"part(s) {np.nonzero(counts == 0)[0].tolist()} own no node; use fewer "
