@@ -383,7 +383,7 @@ def test_costs_measured_on_a_busy_machine_keep_csr():
     """Where the format costs were measured while other processes held the machine (one
     such fit priced CSR's rows 360x too high and Cora ran dense), auto stays in CSR even
     against a format predicted far faster, and says why; an explicit format still runs."""
-    from gcomp.codegen.calibrate import BUSY_KEY
+    from gcomp.runtime.formats import BUSY_KEY
     g = band_graph(n=256, edges=4000, reach=12)
     plan = _plan_with_costs(1.0, 10.0, 0.1)  # banded predicted far faster
     assert decide_layout(plan, g).reorder["chosen"] == "rcm"
@@ -603,7 +603,7 @@ def test_format_costs_taken_under_load_serve_one_compile(tmp_path, monkeypatch):
     monkeypatch.setattr(calibrate, "_measure_formats", measure)
     target = {"kind": "llvm"}
     assert calibrate.calibrate_formats([32], target) == {
-        "32": {"csr_edge_ns": 2.0, calibrate.BUSY_KEY: 1.0}}
+        "32": {"csr_edge_ns": 2.0, fmts.BUSY_KEY: 1.0}}
     assert calibrate.calibrate_formats([32], target) == {"32": {"csr_edge_ns": 3.0}}
     assert calibrate.calibrate_formats([32], target) == {"32": {"csr_edge_ns": 3.0}}
     assert calls == [32, 32, 32]

@@ -35,12 +35,12 @@ import numpy as np
 from gcomp.codegen.cpu_load import CpuMonitor
 from gcomp.codegen.kernels import KernelSpec
 from gcomp.files import write_atomic
+from gcomp.runtime.formats import BUSY_KEY
 
 SPARSITIES = (0.0, 0.25, 0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99)
 PROTOCOL = 3  # of the measurements kept on disk: bump when what they measure or return changes
 MARGIN = 0.9
 BUSY_CORES = 0.3  # other processes' load (cores) above which a measurement is not kept
-BUSY_KEY = "measured_busy"  # marks format costs measured on a busy machine
 
 
 def _times(calls: dict, reps: int = 5, span_s: float = 0.0, q: float = 50) -> dict:

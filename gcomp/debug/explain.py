@@ -22,10 +22,10 @@ from math import prod
 
 import numpy as np
 
-from gcomp.codegen.calibrate import BUSY_KEY
 from gcomp.ir.graph import Graph
 from gcomp.ir.ops import Op
 from gcomp.ir.types import TensorType
+from gcomp.runtime.formats import measured_busy
 from gcomp.runtime.plan import kernel_kind
 
 
@@ -212,7 +212,7 @@ def render(report: dict) -> str:
                           f"ns/entry, banded {c['banded_entry_ns']:.2f} ns/entry"
                           for w, c in sorted(report["format_costs"].items(),
                                              key=lambda kv: int(kv[0])))
-        busy = any(BUSY_KEY in c for c in report["format_costs"].values())
+        busy = measured_busy(report["format_costs"])
         lines.append(f"adjacency format costs measured on the target"
                      f"{' (while the machine was busy)' if busy else ''}: {costs}")
     for gname, f in report.get("formats", {}).items():

@@ -55,6 +55,7 @@ ELL_MIN_GAIN_MS = 0.1  # ELL adds two layouts to the working set and arguments t
 # a training epoch ran 0.1 ms slower than in CSR
 GATHER_CACHE_BYTES = 1 << 20  # a core's own cache (L2) on the machines gcomp was tuned on
 ELL_PARTS = 256  # parallel units of about equal slots (format_kernels._ell_agg)
+BUSY_KEY = "measured_busy"  # in the costs of a width measured on a busy machine
 
 
 def _round_up(v: int) -> int:
@@ -178,12 +179,11 @@ def dynamic_weights(plan) -> set[str]:
     return {b for b in plan.buffers if root(b) in written}
 
 
-def measured_busy(plan) -> bool:
-    """Whether the plan's format costs were measured on a busy machine
-    (``calibrate.BUSY_KEY``): too unreliable to leave CSR for, which every graph runs
-    well enough."""
-    from gcomp.codegen.calibrate import BUSY_KEY
-    return any(BUSY_KEY in c for c in plan.formats["costs"].values())
+def measured_busy(costs: dict) -> bool:
+    """Whether format costs (``plan.formats["costs"]``) were measured on a busy machine
+    (``BUSY_KEY``, set by ``codegen/calibrate.py``): too unreliable to leave CSR for,
+    which every graph runs well enough."""
+    return any(BUSY_KEY in c for c in costs.values())
 
 
 def _costs(plan, width: int) -> dict:
@@ -274,7 +274,7 @@ def choose(plan, sizes: dict[str, int], block: int, narrowest: int | None = None
             entry["narrowest_block"] = narrowest
             entry["banded_narrowest_ms"] = estimate(plan, steps, n, edges, "banded", narrowest,
                                                     dynamic)
-        if mode == "auto" and measured_busy(plan):
+        if mode == "auto" and measured_busy(plan.formats["costs"]):
             fmt = "csr"
             entry["csr_because"] = ("the format costs were measured while other processes "
                                     "kept the machine busy; --format picks another")
