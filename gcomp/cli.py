@@ -474,6 +474,7 @@ def _train(args, comm=None) -> int:
                          f"{args.epochs}); lower --lr")
     if args.checkpoint:
         trainer.save(args.checkpoint)
+    csr = {s["formats"]["graph"]: "csr" for s in art.train_plan.steps if "formats" in s}
     result = {
         "model": art.manifest["model"].get("name"), "graph": graph.name, "epochs": args.epochs,
         "final_loss": loss, "eval_loss": ev["loss"], "train_acc": ev["train_acc"],
@@ -484,11 +485,11 @@ def _train(args, comm=None) -> int:
         "planned_mb": trainer._binding.memory["total_bytes"] / 2**20,
         "step": trainer.step_count,
         "node_order": trainer.node_order,
-        # formats chosen at bind time, and those fixed at compile time (--graph); a
-        # shard aggregates in CSR whatever the artifact was specialized to
-        "formats": ({s["formats"]["graph"]: "csr" for s in art.train_plan.steps
-                     if "formats" in s} if comm is not None else
-                    {**art.train_plan.specialized.get("formats", {}),
+        # formats chosen at bind time, and those fixed at compile time (--graph); CSR
+        # where no choice was made (--format csr), and a shard aggregates in CSR
+        # whatever the artifact was specialized to
+        "formats": ({**csr} if comm is not None else
+                    {**csr, **art.train_plan.specialized.get("formats", {}),
                      **{k: v["chosen"] for k, v in trainer._binding.formats.items()}}),
         **(best if args.best_val else {}),
     }

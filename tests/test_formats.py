@@ -444,9 +444,38 @@ def test_formats_that_cannot_hold_the_graph_are_refused_by_name():
     with pytest.raises(InputError, match="cannot run as dense: a dense matrix of 9000"):
         ex.run(big)
     csr_only = compile_model(m, formats=()).executor()
-    csr_only.formats = "dense"
-    assert csr_only.run(band_graph())[0].shape == (200, 3)  # no alternative: CSR
     assert not any("formats" in s for s in csr_only.plan.steps)
+    csr_only.formats = "dense"  # no kernels for it: refused, not run in CSR unasked
+    with pytest.raises(InputError, match="format 'dense': no aggregation of this artifact "
+                                         "has kernels for it"):
+        csr_only.run(band_graph())
+    csr_only.formats = "csr"
+    assert csr_only.run(band_graph())[0].shape == (200, 3)
+
+
+def test_forced_csr_is_reported_and_gat_refuses_other_formats(tmp_path, capsys):
+    """``--format csr`` names the graph values it put in CSR (it reported none); GAT's
+    fused attention has one layout, so a forced dense format is an error, not a silent
+    CSR run."""
+    g = band_graph(n=60, edges=300, features=8)
+    g.y = np.arange(60) % 3
+    gpath = tmp_path / "band.npz"
+    np.savez(gpath, edge_index=g.edge_index, x=g.x, y=g.y)
+    args = ["--graph", str(gpath), "--epochs", "1", "--hidden", "8", "--json"]
+    assert main(["train", "gcn", *args, "--format", "csr"]) == 0
+    assert json.loads(capsys.readouterr().out)["formats"] == {"convs.0.graph": "csr"}
+    assert main(["train", "gat", *args, "--format", "dense"]) == 2
+    assert "format 'dense': no aggregation of this artifact has kernels for it" in \
+        capsys.readouterr().err
+    assert main(["train", "gat", *args, "--format", "csr"]) == 0
+
+
+def test_explain_counts_as_isolated_only_nodes_without_any_edge(capsys):
+    from gcomp.debug.explain import graph_stats
+    from gcomp.runtime.data import GraphData
+    # 0 -> 1, 2 -> 2; node 3 only sends (3 -> 1), node 4 has no edge
+    g = GraphData("five", 5, np.array([[0, 2, 3], [1, 2, 1]]))
+    assert graph_stats(g)["in_degree"]["isolated"] == 1
 
 
 def test_cli_run_and_train_take_a_format(tmp_path, capsys):
@@ -480,6 +509,22 @@ def test_explain_shows_the_format_costs(capsys):
                      r"banded [\d.]+ ms, ell [\d.]+ ms; ELL slots forward 13,523", text), text
     assert re.search(r"16 features: csr [\d.]+ ns/edge \+ [\d.]+ ns/row, ell [\d.]+ ns/slot",
                      text)
+
+
+def test_a_sparse_threshold_timed_under_load_falls_back_to_morphlings(tmp_path, monkeypatch):
+    """Timings taken while other processes held the machine (one put Cora's 98.7% zeros on
+    the dense kernels) give way to Morphling's 0.80, and say so; a quiet measurement
+    stands."""
+    from gcomp.codegen import calibrate
+    from gcomp.codegen.build import make_target
+    monkeypatch.setenv("GCOMP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibrate, "_measure_sparse", lambda *a: (1.0, [{"sparsity": 0.99}]))
+    monkeypatch.setattr(calibrate, "CpuMonitor", lambda: _Load(1.0))
+    threshold, table = calibrate.calibrate_sparse_threshold(16, 8, make_target("llvm"))
+    assert threshold == calibrate.SPARSE_DEFAULT == 0.8
+    assert "measured while the machine was busy (measured threshold 1.0)" in table[-1]["note"]
+    monkeypatch.setattr(calibrate, "CpuMonitor", lambda: _Load(0.0))
+    assert calibrate.calibrate_sparse_threshold(16, 8, make_target("llvm"))[0] == 1.0
 
 
 def test_explain_says_when_the_format_costs_were_measured_busy(capsys, tmp_path,

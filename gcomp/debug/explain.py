@@ -126,12 +126,14 @@ def explain(graph: Graph, plans: dict, graph_data=None, gpu: bool = False) -> di
 def graph_stats(g) -> dict:
     from gcomp.runtime.features import sparsity
     deg = np.bincount(g.edge_index[1], minlength=g.num_nodes)
+    out_deg = np.bincount(g.edge_index[0], minlength=g.num_nodes)
     return {
         "name": g.name, "nodes": g.num_nodes, "edges": g.num_edges,
         "in_degree": {"mean": float(deg.mean()) if g.num_nodes else 0.0,
                       "max": int(deg.max()) if g.num_nodes else 0,
                       "p99": float(np.percentile(deg, 99)) if g.num_nodes else 0.0,
-                      "isolated": int((deg == 0).sum())},
+                      # no edge in either direction (a node that only sends is not)
+                      "isolated": int(((deg == 0) & (out_deg == 0)).sum())},
         "self_loops": int((g.edge_index[0] == g.edge_index[1]).sum()),
         "density": g.num_edges / max(1, g.num_nodes) ** 2,
         "feature_sparsity": None if g.x is None else sparsity(g.x),
@@ -180,8 +182,9 @@ def render(report: dict) -> str:
     for s in report["sparse_features"]:
         table = "; ".join(f"{c['sparsity']:.2f}: dense {c['dense_ms']:.2f} ms / sparse "
                           f"{c['sparse_ms']:.2f} ms" for c in s["calibration"] if "sparsity" in c)
+        notes = "".join(f" ({c['note']})" for c in s["calibration"] if "note" in c)
         line = (f"sparse node features ({s['plan']}, {s['variant']}): threshold "
-                f"{s['threshold']}; calibration {table or s['calibration']}")
+                f"{s['threshold']}; calibration {table or 'none'}{notes}")
         if "computed_from" in s:
             line += (f"; values computed from {', '.join(s['computed_from'])}: their sparsity "
                      "is measured when they are fed")

@@ -210,12 +210,16 @@ def decide_layout(plan: Plan, graph: GraphData, features: dict | None = None,
 
     steps = fmts.format_steps(plan)
     use_formats = formats != "csr" and bool(plan.formats) and bool(steps)
-    if formats not in ("auto", "csr") and not use_formats and plan.specialized:
-        # elsewhere a format no aggregation has kernels for leaves them in CSR (GAT's
-        # attention has one layout); here compiling for one graph left the kernels out
-        raise InputError(f"format {formats!r}: this artifact has only CSR kernels (it was "
-                         f"compiled for graph {plan.specialized['graph']!r}, whose formats "
-                         "were chosen then; compile without --graph to keep every format)")
+    if formats not in ("auto", "csr") and not use_formats:
+        if plan.specialized:  # compiling for one graph left the kernels out
+            raise InputError(f"format {formats!r}: this artifact has only CSR kernels (it "
+                             f"was compiled for graph {plan.specialized['graph']!r}, whose "
+                             "formats were chosen then; compile without --graph to keep "
+                             "every format)")
+        # a forced format nothing can run in is an error, not a silent CSR run
+        raise InputError(f"format {formats!r}: no aggregation of this artifact has kernels "
+                         "for it (GAT's fused attention has one layout, CSR, and CUDA "
+                         "artifacts aggregate in CSR); use --format auto or csr")
 
     def choose(sizes, block, mode, narrowest=None):
         if not use_formats:
