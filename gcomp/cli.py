@@ -488,7 +488,7 @@ def _train(args, comm=None) -> int:
         # formats chosen at bind time, and those fixed at compile time (--graph); CSR
         # where no choice was made (--format csr), and a shard aggregates in CSR
         # whatever the artifact was specialized to
-        "formats": ({**csr} if comm is not None else
+        "formats": (csr if comm is not None else
                     {**csr, **art.train_plan.specialized.get("formats", {}),
                      **{k: v["chosen"] for k, v in trainer._binding.formats.items()}}),
         **(best if args.best_val else {}),

@@ -250,6 +250,7 @@ def choose(plan, sizes: dict[str, int], block: int, narrowest: int | None = None
     chosen, report = {}, {}
     n = sizes["N"]
     dynamic = dynamic_weights(plan)
+    busy = measured_busy(plan.formats["costs"])
     for gname, steps in format_steps(plan).items():
         edges = sizes[f"E:{gname}"]
         offered = ["csr"] + [f for f in FORMATS[1:] if f in steps[0]["formats"]["kernels"]]
@@ -274,7 +275,7 @@ def choose(plan, sizes: dict[str, int], block: int, narrowest: int | None = None
             entry["narrowest_block"] = narrowest
             entry["banded_narrowest_ms"] = estimate(plan, steps, n, edges, "banded", narrowest,
                                                     dynamic)
-        if mode == "auto" and measured_busy(plan.formats["costs"]):
+        if mode == "auto" and busy:
             fmt = "csr"
             entry["csr_because"] = ("the format costs were measured while other processes "
                                     "kept the machine busy; --format picks another")
