@@ -581,7 +581,9 @@ def cmd_info(args) -> int:
     print(f"precision  {info['precision']}"
           + (" (node-sized activations stored as bfloat16)" if info["precision"] == "bf16"
              else "")
-          + ("; products on AMX tiles" if "amx" in info["cpu_features"] else ""))
+          + ("; products on AMX tiles" if "amx" in info["cpu_features"] else "")
+          + ("; products on AVX-512 BF16 dot products" if "avx512_bf16" in info["cpu_features"]
+             else ""))
     if not info["deterministic"]:
         print("results    not bit for bit reproducible: backward aggregations add with atomics "
               "(compiled with --prefer memory; --deterministic avoids them)")

@@ -17,7 +17,7 @@ from collections import Counter
 from gcomp.codegen.build import build_library, device_code_format, make_target
 from gcomp.codegen.calibrate import calibrate_formats, calibrate_sparse_threshold
 from gcomp.codegen.hub_split import split_hub_rows
-from gcomp.codegen.kernels import KernelSpec, define, has_amx
+from gcomp.codegen.kernels import KernelSpec, define, has_amx, has_dot_bf16
 from gcomp.codegen.lower import lower
 from gcomp.codegen.optimizer import OptimizerConfig, add_optimizer
 from gcomp.codegen.precision import PRECISIONS, store_bf16
@@ -148,14 +148,17 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
     tgt = make_target(target, mcpu=mcpu, arch=arch)
     if precision == "bf16" and tgt["kind"] == "llvm" and mcpu is None and host_has_amx():
         tgt["mattr"] = list(AMX_MATTR)  # LLVM may not know this CPU has them
-    cpu_features = ["amx"] if precision == "bf16" and has_amx(tgt) else []
+    # beyond the target's instructions ("amx" tiles, which the OS must grant), or named for
+    # `gcomp info`: the products' bfloat16 dot products
+    cpu_features = [] if precision != "bf16" else ["amx"] if has_amx(tgt) else \
+        ["avx512_bf16"] if has_dot_bf16(tgt) else []
     formats = target_formats(tgt) if formats is None else tuple(formats)
     unknown = set(formats) - set(target_formats(tgt))
     if unknown:
         raise CompileError(f"no {', '.join(sorted(unknown))} kernels for target {target!r}")
     # the passes see the target compiled for (reorder_linear's choices depend on it)
     ctx = dataclasses.replace(ctx or PassContext(), target=target,
-                              tile_products=bool(cpu_features))
+                              tile_products="amx" in cpu_features)
     ir_graph = default_pipeline()(model.graph.copy(), ctx)
     if any(n.op == Op.DROPOUT for n in ir_graph):
         raise CompileError("inference needs the eval_mode pass (dropout is the identity at "

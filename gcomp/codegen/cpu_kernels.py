@@ -580,7 +580,7 @@ def _matmul_cols(M: int, tuning: str) -> int:
 
 @definer("matmul", target="llvm")
 def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = (),
-           tuning: str = "default", amx: bool = False):
+           tuning: str = "default", amx: bool = False, dot_bf16: bool = False):
     """out[i, j] = epilogue(sum_k x[i, k] * w[k, j]), R rows at a time: each row of w
     loaded serves R rows of x, whose sums stay in registers (the row-at-a-time schedule
     loads a row of w per multiply-add).  Rows past n in the last group repeat row n - 1
@@ -595,13 +595,16 @@ def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = (),
     for 128 -> 32.  Training steps there took as long as before (a step's inputs stay in
     that VM's 480 MB L3).  Prefetching no output line took 32 -> 32 2.7 -> 1.9 ms before.
     None (the generic kernel, scheduled) where that is faster.  With x stored as bfloat16
-    on a CPU with AMX tiles: the tile kernel (``amx_kernels.py``), which names its
+    on a CPU with AMX tiles: the tile kernel (``amx_kernels.py``), on one with AVX-512
+    BF16 but no tiles the dot-product kernel (``dot_bf16_kernels.py``); both name their
     arguments as this one does (the precision pass asks for them by name)."""
     R = _matmul_rows(K, M, tuning)
     if R is None:
         return None
     if amx and stored_bf16("x") and amx_kernels.supported(K, M):
         return amx_kernels.matmul_amx(K, M, epilogue, extras)
+    if dot_bf16 and stored_bf16("x") and dot_bf16_kernels.supported(K, M):
+        return dot_bf16_kernels.matmul_dot(K, M, epilogue, extras)
     TM = _matmul_cols(M, tuning)
     f32 = "float32"
     with IRBuilder() as ib:
@@ -673,7 +676,7 @@ def _matmul_tn_tile(K: int, M: int, tuning: str = "default") -> tuple[int, int] 
 
 @definer("matmul_tn", target="llvm")
 def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = 16, amx: bool = False,
-              tuning: str = "default", sum_row: bool = False):
+              tuning: str = "default", sum_row: bool = False, dot_bf16: bool = False):
     """out = x.T @ y (x: [n, K], y: [n, M]), weight gradients: ``chunks`` row ranges in
     parallel, each into its own partial [K, M] sum, added up at the end (deterministic).
     A range is walked in blocks of ``TN_BLOCK`` rows; for each TA x TB tile of the result,
@@ -682,7 +685,9 @@ def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = 16, amx: bool = F
     range's rows once per tile (128 x 32 on arxiv-synth: 14.6 ms).  The next block's rows
     are prefetched while one is added, each tile asking for its share of their lines
     every ``TN_SHARE_ROWS`` rows (``_prefetch_share``).  With x or y stored as bfloat16 on
-    a CPU with AMX tiles: the tile kernel (``amx_kernels.py``), which has no ``sum_row``.
+    a CPU with AMX tiles: the tile kernel (``amx_kernels.py``), which has no ``sum_row``;
+    on one with AVX-512 BF16 but no tiles, the dot-product kernel
+    (``dot_bf16_kernels.py``).
     ``sum_row``: a last row of y's column sums (a bias gradient), added while the block is
     in L1."""
     if gpu:
@@ -693,6 +698,8 @@ def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = 16, amx: bool = F
     if (amx and not sum_row and (stored_bf16("x") or stored_bf16("y"))
             and amx_kernels.tn_tiles(K, M)):
         return amx_kernels.matmul_tn_amx(K, M, chunks)
+    if dot_bf16 and (stored_bf16("x") or stored_bf16("y")):
+        return dot_bf16_kernels.matmul_tn_dot(K, M, chunks, sum_row)
     TA, TB = tile
     f32, i64 = "float32", "int64"
     P, R = chunks, K + int(sum_row)
@@ -1133,4 +1140,4 @@ def cross_entropy_fused(C: int):
 
 
 # the tile kernels the products above hand over to build on this module's helpers
-from gcomp.codegen import amx_kernels  # noqa: E402
+from gcomp.codegen import amx_kernels, dot_bf16_kernels  # noqa: E402

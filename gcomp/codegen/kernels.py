@@ -171,11 +171,21 @@ def has_amx(target: dict) -> bool:
         codegen.target_has_features(f, tvm.target.Target(target)) for f in ("amx-tile", "amx-bf16"))
 
 
+def has_dot_bf16(target: dict) -> bool:
+    """Whether ``target`` has AVX-512 BF16 dot products but no AMX tiles
+    (``gcomp/codegen/dot_bf16_kernels.py``)."""
+    import tvm
+    from tvm.target import codegen
+    return target["kind"] == "llvm" and not has_amx(target) and \
+        codegen.target_has_features("avx512bf16", tvm.target.Target(target))
+
+
 def target_definition(spec: KernelSpec, target: dict | str):
     """``target``'s own PrimFunc for ``spec`` (already scheduled), named ``spec.name``, or
     None: the kind has none for the target, or its definer declines these parameters.
     A definer with a ``tuning`` parameter gets the target's ``cpu_tuning``, one with an
-    ``amx`` parameter whether it ``has_amx``."""
+    ``amx`` parameter whether it ``has_amx``, one with a ``dot_bf16`` parameter whether it
+    ``has_dot_bf16``."""
     kind = target if isinstance(target, str) else target["kind"]
     fn = _definer_of(spec.kind, kind)
     if fn is None:
@@ -185,6 +195,8 @@ def target_definition(spec: KernelSpec, target: dict | str):
         params["tuning"] = cpu_tuning(target)
     if "amx" in inspect.signature(fn).parameters:
         params["amx"] = has_amx(target)
+    if "dot_bf16" in inspect.signature(fn).parameters:
+        params["dot_bf16"] = has_dot_bf16(target)
     func = _call(fn, spec, params)
     return None if func is None else func.with_attr("global_symbol", spec.name)
 

@@ -16,15 +16,16 @@ kernel specs.  Guarantees, for ``store_bf16``:
   its output in memory would round after every term; checked on each kernel's TensorIR,
   such an output (and any argument a kernel's definition cannot declare bfloat16) stays
   float32, until no kernel needs a change.
-* On a target with AMX tiles, products reading a node input that the tiles could run
-  read a bfloat16 copy of it (``{input}.bf16``) that a feed step rounds once per feed.
+* On a target with AMX tiles or AVX-512 BF16 dot products, products reading a node
+  input that those could run read a bfloat16 copy of it (``{input}.bf16``) that a feed step rounds once per feed.
 """
 
 from __future__ import annotations
 
 import re
 
-from gcomp.codegen.kernels import KernelSpec, define, has_amx, param_dtypes
+from gcomp.codegen.dot_bf16_kernels import uses_dot
+from gcomp.codegen.kernels import KernelSpec, define, has_amx, has_dot_bf16, param_dtypes
 from gcomp.errors import CompileError
 from gcomp.runtime.plan import Plan
 
@@ -77,15 +78,16 @@ def _store_plan(plan: Plan, specs: dict, tgt: dict) -> None:
         if _root(plan, name) in chosen:
             b["dtype"] = "bfloat16"
     plan.precision = {"bfloat16": sorted(chosen), "kept_float32": dict(sorted(kept.items()))}
-    if has_amx(tgt):
+    if has_amx(tgt) or has_dot_bf16(tgt):
         _round_features(plan, specs, tgt)
 
 
 def _round_features(plan: Plan, specs: dict, tgt: dict) -> None:
     """Give the products that read a node input (the features: the first layer's x @ W and
     its weight gradient) a bfloat16 copy of it, rounded once per feed by a feed step,
-    where that makes them tile products (``amx_kernels.py``): rounding float32 rows as a
-    tile kernel loads them costs as much as the float32 product.  The input itself then
+    where that makes them tile or dot products (``amx_kernels.py``,
+    ``dot_bf16_kernels.py``): rounding float32 rows as such a kernel loads them costs as
+    much as the float32 product.  The input itself then
     stays float32 and is read by the feed step alone (in the caller's array)."""
     for inp in plan.inputs:
         x = inp["name"]
@@ -100,7 +102,8 @@ def _round_features(plan: Plan, specs: dict, tgt: dict) -> None:
             p = spec.p
             stored = tuple(sorted(set(p.pop("bf16", ())) | {"x"}))
             tiles = KernelSpec.make(spec.kind, **p, bf16=stored)
-            if "tdpbf16ps" in define(tiles, tgt).script():
+            script = define(tiles, tgt).script()
+            if "tdpbf16ps" in script or uses_dot(script):
                 readers.append((s, tiles))
         if not readers:
             continue

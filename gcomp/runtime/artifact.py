@@ -265,7 +265,8 @@ def new_manifest(model: dict, signature: dict, target: dict, ops: dict,
         "ops": ops,
         "optimizer": optimizer,
         "precision": precision,
-        "cpu_features": list(cpu_features or []),  # beyond the target's: "amx" tiles
+        # "amx" tiles (beyond the target's instructions) or "avx512_bf16" dot products
+        "cpu_features": list(cpu_features or []),
         "isa": list(isa),  # the target CPU's vector instruction sets (LLVM's names)
     }
 

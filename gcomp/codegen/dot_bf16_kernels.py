@@ -1,0 +1,316 @@
+"""Dense products on AVX-512 BF16 dot products, for bfloat16 activations on a CPU
+without AMX tiles (``--precision bf16`` on AMD Zen 4 and later).
+
+``vdpbf16ps`` multiplies 16 pairs of bfloat16 values by 16 other pairs and adds each
+pair's two products to one of 16 float32 sums: 32 multiply-adds per instruction where a
+float32 ``vfmadd`` does 16.  The row-group kernel of ``cpu_kernels.matmul`` widens each
+bfloat16 value and multiplies in float32, slower than float32 itself; here the pairs go
+to the instruction as they are.
+
+TVM 0.27 cannot call the instruction: its LLVM intrinsic takes vectors of LLVM's
+``bfloat`` type, and TVM passes bfloat16 vectors as 16-bit integers, which LLVM's
+verifier refuses.  So the kernel imports a small LLVM function (``DOT_LL``, through
+TVM's ``pragma_import_llvm``) that takes pointers, converts the types LLVM-side and is
+always inlined: the kernel calls it by name (``call_extern``) on the addresses of a
+row's sums, an x pair and a packed weight vector, and after inlining the sums stay in
+registers (one ``vbroadcastss`` of the x pair per row, one ``vdpbf16ps`` per 16 columns).
+
+``matmul_dot``: out = epilogue(x @ w) with x stored as bfloat16 (the same arguments as
+``cpu_kernels.matmul``).  The weight is rounded to bfloat16 (as on AMX tiles and under
+PyTorch's autocast) and packed in pairs along k, ``wp[k // 2, 2 j + k % 2] = w[k, j]``,
+columns padded to 16 with zeros, by each of ``CHUNKS`` row ranges run in parallel; a
+range multiplies ``rows`` rows at a time (the row-group kernel's rule), each row's sums
+for a tile of up to 64 columns in registers, and prefetches the rows ahead as that
+kernel does.  Sums are float32, the epilogue runs on them, and a bfloat16 output is
+rounded once.
+
+``matmul_tn_dot``: the weight gradient x.T @ y with x or y (or both) stored as
+bfloat16, in pairs of rows (its docstring).
+
+Measured (AMD EPYC Zen 4, arxiv-size rows, 2 threads, interleaved calls after 256 MB of
+other writes; float32 kernel / bfloat16 widened to float32 / these): x @ W 128 -> 32 6.3 /
+6.4 / 3.4 ms, 32 -> 32 1.6 / 1.8 / 1.0, 32 -> 40 2.0 / 2.6 / 1.4, 128 -> 128 26.4 / 25.2 /
+12.7; x.T @ dY 128 x 32 6.9 / 7.1 / 3.7-3.9, 32 x 32 1.9 / 1.9 / 1.0, 32 x 40 2.1 / 3.0
+/ 1.6-1.9, 128 x 128 24.5 / 26.7 / 13.6.
+"""
+
+from __future__ import annotations
+
+from tvm import ir, tirx
+from tvm.script.ir_builder import IRBuilder
+from tvm.script.ir_builder import tirx as T
+
+from gcomp.codegen import epilogue as epi
+from gcomp.codegen.cpu_kernels import (MM_AHEAD_BYTES, MM_SHARE_K, _features, _if,
+                                       _prefetch_share, _row_range, _scratch)
+from gcomp.codegen.kernels import arg
+
+LANES = 16       # float32 sums per instruction
+TILE = 64        # columns of sums a group of rows keeps in registers at a time
+ACCUMULATORS = 24  # of the 32 vector registers, for sums (the rest: weights, x pairs)
+CHUNKS = 16      # row ranges in parallel (>= threads, for balance)
+DOT = "gcomp_dpbf16"  # the imported function, and how a kernel is recognized as using it
+
+PAIR = "gcomp_pair_"  # dst[2 c + e] = bfloat16 of (a, b)[e][c], c < 16: two rows interleaved
+_INTERLEAVE = ", ".join(f"i32 {c + 16 * e}" for c in range(LANES) for e in range(2))
+# acc[0:16] += pairs of the bfloat16 pair at x (broadcast) times the 32 bfloat16 at w
+DOT_LL = f"""
+declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>, <32 x bfloat>)
+define linkonce_odr void @{DOT}(ptr %acc, ptr %x, ptr %w) alwaysinline {{
+  %a = load <16 x float>, ptr %acc, align 4
+  %p = load i32, ptr %x, align 2
+  %p1 = insertelement <16 x i32> poison, i32 %p, i64 0
+  %ps = shufflevector <16 x i32> %p1, <16 x i32> poison, <16 x i32> zeroinitializer
+  %xb = bitcast <16 x i32> %ps to <32 x bfloat>
+  %wb = load <32 x bfloat>, ptr %w, align 2
+  %r = call <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float> %a, <32 x bfloat> %xb, <32 x bfloat> %wb)
+  store <16 x float> %r, ptr %acc, align 4
+  ret void
+}}
+define linkonce_odr void @{PAIR}bf16(ptr %dst, ptr %a, ptr %b) alwaysinline {{
+  %va = load <16 x i16>, ptr %a, align 2
+  %vb = load <16 x i16>, ptr %b, align 2
+  %r = shufflevector <16 x i16> %va, <16 x i16> %vb, <32 x i32> <{_INTERLEAVE}>
+  store <32 x i16> %r, ptr %dst, align 2
+  ret void
+}}
+define linkonce_odr void @{PAIR}float32(ptr %dst, ptr %a, ptr %b) alwaysinline {{
+  %va = load <16 x float>, ptr %a, align 4
+  %vb = load <16 x float>, ptr %b, align 4
+  %ta = fptrunc <16 x float> %va to <16 x bfloat>
+  %tb = fptrunc <16 x float> %vb to <16 x bfloat>
+  %r = shufflevector <16 x bfloat> %ta, <16 x bfloat> %tb, <32 x i32> <{_INTERLEAVE}>
+  store <32 x bfloat> %r, ptr %dst, align 2
+  ret void
+}}
+"""
+
+
+def supported(K: int, M: int) -> bool:
+    """Whether the kernel takes a K -> M product: K even (x's values pair up along k;
+    an odd K's last pair would read past a row)."""
+    return K >= 2 and K % 2 == 0 and M >= 1
+
+
+def uses_dot(script: str) -> bool:
+    """Whether a kernel's TVMScript calls the dot product."""
+    return DOT in script
+
+
+def _column_tiles(M: int) -> list[tuple[int, int]]:
+    """(first column, padded width) of the column tiles: widths multiples of 16."""
+    MP = -(-M // LANES) * LANES
+    return [(c, min(TILE, MP - c)) for c in range(0, MP, TILE)]
+
+
+def matmul_dot(K: int, M: int, epilogue: tuple, extras: tuple):
+    """out = epilogue(x @ w), x stored as bfloat16 (see the module docstring).  A group
+    multiplies 8 rows at a time, 4 when a tile has 64 columns (AMD EPYC Zen 4,
+    arxiv-size rows, 2 threads, interleaved: 32 -> 128 9.3 ms with 2 rows, 3.7 with 4,
+    3.9 with 6, 4.7 with 8; 128 -> 32 4.7, 3.5, 3.4, 3.4; 32 -> 40 1.43 with 4, 1.35
+    with 8; 32 -> 16 1.56 with 4, 0.73 with 8)."""
+    f32, u16 = "float32", "uint16"
+    tiles = _column_tiles(M)
+    MP = tiles[-1][0] + tiles[-1][1]
+    R = 8 if 8 * (tiles[0][1] // LANES) <= ACCUMULATORS else 4
+    KP = K // 2
+    KS = min(MM_SHARE_K // 2, KP)  # pairs between two shares of prefetches
+    ahead = max(1, MM_AHEAD_BYTES // (R * K * 2))  # groups
+    with IRBuilder() as ib:
+        with T.prim_func():
+            T.func_name("matmul")
+            T.func_attr({"tirx.noalias": True})
+            n = tirx.Var("n", "int64")
+            x = arg("x", (n, K), f32)
+            w = arg("w", (K, M), f32)
+            extra = [arg(f"e{k}", epi.shape(kind, n, M), f32) for k, kind in enumerate(extras)]
+            out = arg("out", (n, M), f32)
+            # the pairs are read as raw bits: an alias of x's data as uint16 keeps TVM's
+            # bfloat16 legalization away from the addresses
+            xb = T.decl_buffer((n * K,), u16, data=x.data)
+            groups = T.Bind((n + R - 1) // R)
+            with T.attr(tirx.const(0, "int32"), "pragma_import_llvm", ir.StringImm(DOT_LL)):
+                with T.parallel(0, CHUNKS) as p:
+                    wp = T.alloc_buffer((KP, 2 * MP), "bfloat16", scope="local")
+                    wpb = T.decl_buffer((KP * 2 * MP,), u16, data=wp.data)
+                    with T.serial(0, KP) as kk:
+                        with T.serial(0, MP) as j:
+                            for s in range(2):
+                                T.buffer_store(wp, tirx.Cast("bfloat16", tirx.if_then_else(
+                                    j < M, w[2 * kk + s, tirx.min(j, M - 1)],
+                                    tirx.const(0.0, f32))), [kk, 2 * j + s])
+                    lo, hi = _row_range(groups, p, CHUNKS)
+                    with T.serial(0, hi - lo) as gi:
+                        g = lo + gi
+                        for c0, width in tiles:
+                            V = width // LANES
+                            acc = [_scratch((width,)) for _ in range(R)]
+                            for r in range(R):
+                                _features(width, lambda j, r=r: T.buffer_store(
+                                    acc[r], tirx.const(0.0, f32), [j]))
+
+                            def k_step(kp, c0=c0, V=V, acc=acc):
+                                for r in range(R):
+                                    i = tirx.min(g * R + r, n - 1)
+                                    for v in range(V):
+                                        T.evaluate(tirx.call_extern(
+                                            "void", DOT,
+                                            tirx.address_of(acc[r][v * LANES]),
+                                            tirx.address_of(xb[i * K + 2 * kp]),
+                                            tirx.address_of(wpb[(kp * MP + c0 + v * LANES) * 2])))
+                            with T.serial(0, KP // KS) as s:
+                                if c0 == 0:  # the rows ahead, a share every KS pairs
+                                    _prefetch_share([(x, K), (out, M, True)], (g + ahead) * R,
+                                                    R, n, s, KP // KS)
+                                with T.serial(0, KS) as k:
+                                    k_step(s * KS + k)
+                            if KP % KS:
+                                with T.serial(KP - KP % KS, KP) as kp:
+                                    k_step(kp)
+                            for r in range(R):
+                                i = g * R + r
+                                cols = min(width, M - c0)
+                                with _if(i < n):
+                                    def store(j, r=r, i=i):
+                                        c = c0 + j
+                                        res = epi.apply(
+                                            epilogue, acc[r][j],
+                                            lambda e: extra[e][epi.index(extras[e], i, c)])
+                                        T.buffer_store(out, res, [i, c])
+                                    _features(cols, store)
+    return ib.get()
+
+
+# ---------------------------------------------------------------- weight gradients
+# pairs of rows the weight-gradient kernel packs at a time (in L1).  AMD EPYC Zen 4,
+# arxiv-size rows, 2 threads, interleaved: 128 x 32 4.0 ms with 8, 3.7-3.9 with 16, 4.4
+# with 32; 32 x 32 1.2, 1.0, 1.4
+BLOCK_PAIRS = 16
+
+
+def _pack_rows(dst, base, src, W: int, ra, rb, n) -> None:
+    """dst[base + 2 c + e] = src[(ra, rb)[e], c] rounded to bfloat16 (bits), c < W: two
+    rows of ``src`` (float32 or bfloat16) interleaved into pairs, by the imported ``PAIR``
+    function 16 columns at a time; rb = n (past the last row: an odd n's last pair) gives
+    zeros.  A row's last group of fewer than 16 columns is packed as a whole group too,
+    reading into the next row (its columns past W are never multiplied into a stored sum:
+    ``dst`` rows are padded to whole groups), except on the last row, where it is packed
+    value by value."""
+    u16 = "uint16"
+    bf = str(src.dtype) == "bfloat16"
+    flat = T.decl_buffer((n * W,), u16, data=src.data) if bf else None
+    db = T.decl_buffer(dst.shape, "bfloat16", data=dst.data)
+    groups = -(-W // LANES) * LANES
+
+    def element(row, c, e):
+        if bf:
+            T.buffer_store(dst, flat[row * W + c], [base + 2 * c + e])
+        else:
+            T.buffer_store(db, tirx.Cast("bfloat16", src[row, c]), [base + 2 * c + e])
+
+    def pair(g):
+        ptr = (lambda row: tirx.address_of(flat[row * W + g])) if bf else \
+            (lambda row: tirx.address_of(src[row, g]))
+        T.evaluate(tirx.call_extern("void", PAIR + ("bf16" if bf else "float32"),
+                                    tirx.address_of(dst[base + 2 * g]), ptr(ra), ptr(rb)))
+    main = W - W % LANES
+    with T.If(rb < n - 1 if main < W else rb < n):
+        with T.Then():
+            for g in range(0, groups, LANES):
+                pair(g)
+        with T.Else():
+            with T.If(rb < n):
+                with T.Then():
+                    for g in range(0, main, LANES):
+                        pair(g)
+                    with T.serial(main, W) as c:
+                        element(ra, c, 0)
+                        element(rb, c, 1)
+                with T.Else():
+                    with T.serial(0, W) as c:
+                        element(ra, c, 0)
+                        T.buffer_store(dst, tirx.const(0, u16), [base + 2 * c + 1])
+
+
+def matmul_tn_dot(K: int, M: int, chunks: int, sum_row: bool):
+    """out = x.T @ y (x: [n, K], y: [n, M], either stored as bfloat16 or float32; out
+    float32), weight gradients on dot products, pairs of rows at a time: out[k, :] +=
+    x[2p, k] y[2p, :] + x[2p + 1, k] y[2p + 1, :] is one instruction per 16 columns once
+    row 2p + 1's values sit beside row 2p's.  ``chunks`` ranges of pairs in parallel, each
+    into its own partial sum (added up at the end, deterministic); a range packs
+    ``BLOCK_PAIRS`` pairs of x rows and of y rows at a time, interleaved (rounded to
+    bfloat16 where float32), and adds them into the partial sum tile by tile, each tile's
+    sums in registers.  ``sum_row``: a last row of y's column sums (a bias gradient), x's
+    packed rows ending in a pair of ones."""
+    f32, u16 = "float32", "uint16"
+    MP = -(-M // LANES) * LANES
+    TB = MP if MP <= TILE else TILE
+    V = TB // LANES
+    TA = next(t for t in (8, 4, 2, 1) if K % t == 0 and t * V <= ACCUMULATORS)
+    KX = K + int(sum_row)                      # rows of the result
+    SX = 2 * (-(-K // LANES) * LANES) + (2 * LANES if sum_row else 0)  # packed x pair stride
+    SY = 2 * MP
+    row_tiles = [(a, TA) for a in range(0, K, TA)] + ([(K, 1)] if sum_row else [])
+    P = chunks
+
+    def x_pos(a: int) -> int:  # of row a's pair in a packed x row
+        return SX - 2 * LANES if a == K else 2 * a
+    with IRBuilder() as ib:
+        with T.prim_func():
+            T.func_name("matmul_tn")
+            T.func_attr({"tirx.noalias": True})
+            n = tirx.Var("n", "int64")
+            x = arg("x", (n, K), f32)
+            y = arg("y", (n, M), f32)
+            out = arg("out", (KX, M), f32)
+            part = T.alloc_buffer((P, KX, MP), f32)
+            pairs = T.Bind((n + 1) // 2)
+            with T.attr(tirx.const(0, "int32"), "pragma_import_llvm", ir.StringImm(DOT_LL)):
+                with T.parallel(0, P) as p:
+                    xp = T.alloc_buffer((BLOCK_PAIRS * SX,), u16, scope="local")
+                    yp = T.alloc_buffer((BLOCK_PAIRS * SY,), u16, scope="local")
+                    with T.serial(0, KX) as a:
+                        _features(MP, lambda j: T.buffer_store(part, tirx.const(0.0, f32),
+                                                               [p, a, j]))
+                    if sum_row:  # bfloat16 ones, past the packed x values
+                        with T.serial(0, BLOCK_PAIRS * 2) as j:
+                            T.buffer_store(xp, tirx.const(0x3F80, u16),
+                                           [(j // 2) * SX + SX - 2 * LANES + j % 2])
+                    lo, hi = _row_range(pairs, p, P)
+
+                    def block(first, count, ahead=False):
+                        with T.serial(0, count) as q:
+                            ra = 2 * (first + q)
+                            _pack_rows(xp, q * SX, x, K, ra, ra + 1, n)
+                            _pack_rows(yp, q * SY, y, M, ra, ra + 1, n)
+                        for ti, (a0, ta) in enumerate(row_tiles):
+                            with T.serial(0, MP // TB) as b0:
+                                if ahead:  # the next block's rows, a share per tile
+                                    _prefetch_share([(x, K), (y, M)], 2 * (first + count),
+                                                    2 * BLOCK_PAIRS, n, ti * (MP // TB) + b0,
+                                                    len(row_tiles) * (MP // TB))
+                                acc = [_scratch((TB,)) for _ in range(ta)]
+                                for t in range(ta):
+                                    _features(TB, lambda j, t=t: T.buffer_store(
+                                        acc[t], part[p, a0 + t, b0 * TB + j], [j]))
+                                with T.serial(0, count) as q:
+                                    for t in range(ta):
+                                        for v in range(V):
+                                            T.evaluate(tirx.call_extern(
+                                                "void", DOT, tirx.address_of(acc[t][v * LANES]),
+                                                tirx.address_of(xp[q * SX + x_pos(a0 + t)]),
+                                                tirx.address_of(
+                                                    yp[q * SY + 2 * (b0 * TB + v * LANES)])))
+                                for t in range(ta):
+                                    _features(TB, lambda j, t=t: T.buffer_store(
+                                        part, acc[t][j], [p, a0 + t, b0 * TB + j]))
+                    full = T.Bind((hi - lo) // BLOCK_PAIRS)
+                    with T.serial(0, full) as blk:
+                        block(lo + blk * BLOCK_PAIRS, BLOCK_PAIRS, ahead=True)
+                    block(lo + full * BLOCK_PAIRS, hi - lo - full * BLOCK_PAIRS)
+            with T.parallel(0, KX) as a:
+                _features(M, lambda j: T.buffer_store(out, part[0, a, j], [a, j]))
+                with T.serial(1, P) as q:
+                    _features(M, lambda j: T.buffer_store(out, out[a, j] + part[q, a, j],
+                                                          [a, j]))
+    return ib.get()
