@@ -28,7 +28,8 @@ from gcomp.ir.printer import print_graph
 from gcomp.model import Model
 from gcomp.passes import PassContext, default_pipeline, training_pipeline
 from gcomp.runtime.artifact import Artifact, new_manifest
-from gcomp.runtime.cpu_features import (AMX_MATTR, host_has_amx, isa_features,
+from gcomp.runtime.cpu_features import (AMX_MATTR, DOT_BF16_MATTR, host_has_amx,
+                                        host_has_dot_bf16, isa_features,
                                         missing_features)
 
 
@@ -146,8 +147,11 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
     if graph is not None:  # before compiling for a graph it cannot run
         check_feature_width(model, graph)
     tgt = make_target(target, mcpu=mcpu, arch=arch)
-    if precision == "bf16" and tgt["kind"] == "llvm" and mcpu is None and host_has_amx():
-        tgt["mattr"] = list(AMX_MATTR)  # LLVM may not know this CPU has them
+    if precision == "bf16" and tgt["kind"] == "llvm" and mcpu is None:
+        if host_has_amx():
+            tgt["mattr"] = list(AMX_MATTR)  # LLVM may not know this CPU has them
+        elif host_has_dot_bf16() and not has_dot_bf16(tgt):
+            tgt["mattr"] = list(DOT_BF16_MATTR)
     # beyond the target's instructions ("amx" tiles, which the OS must grant), or named for
     # `gcomp info`: the products' bfloat16 dot products
     cpu_features = [] if precision != "bf16" else ["amx"] if has_amx(tgt) else \

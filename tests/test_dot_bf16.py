@@ -175,3 +175,34 @@ def test_bf16_training_on_dot_products_matches_float32(tmp_path, capsys):
     for k in g32:
         err = np.abs(g16[k] - g32[k]).max() / (np.abs(g32[k]).max() + 1e-12)
         assert err < 5e-2, (k, err)
+
+
+def test_loading_refuses_dot_products_the_cpu_lacks(monkeypatch):
+    """An artifact whose products run on AVX-512 BF16, loaded on a CPU without them (LLVM
+    may not have named the CPU it was compiled on, so the target's instructions do not
+    show them), is refused with the reason before any kernel runs."""
+    from gcomp.errors import ArtifactError
+    from gcomp.runtime import cpu_features
+    m = models.build("gcn", 8, hidden=8, out_channels=2, layers=2)
+    art = compile_model(m)
+    art.manifest["cpu_features"] = ["avx512_bf16"]
+    art.manifest["isa"] = []
+    monkeypatch.setattr(cpu_features, "host_flags", lambda: frozenset({"avx2", "fma"}))
+    with pytest.raises(ArtifactError, match="AVX-512 BF16 dot products, and this CPU has none"):
+        art.library()
+
+
+def test_a_cpu_llvm_does_not_name_gets_its_dot_products(monkeypatch):
+    """Under a hypervisor LLVM may name an older CPU than the one the kernel's flags show
+    (as for AMX): a bf16 compile for this host then adds the dot products to the target
+    and names them in the artifact."""
+    from gcomp import compiler
+    monkeypatch.setattr(compiler, "make_target",
+                        lambda *a, **k: {"kind": "llvm", "mcpu": "skylake-avx512"})
+    monkeypatch.setattr(compiler, "host_has_amx", lambda: False)
+    monkeypatch.setattr(compiler, "host_has_dot_bf16", lambda: True)
+    m = models.build("gcn", 64, hidden=32, out_channels=4, layers=2)
+    art = compile_model(m, precision="bf16")
+    assert art.target["mattr"] == ["+avx512bf16"]
+    assert art.manifest["cpu_features"] == ["avx512_bf16"]
+    assert not has_dot_bf16({"kind": "llvm", "mcpu": "skylake-avx512"})

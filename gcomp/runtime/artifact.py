@@ -180,6 +180,11 @@ class Artifact:
                 if why is not None:
                     raise ArtifactError(f"this artifact's products run on AMX tiles, and {why}; "
                                         "compile it here (or with --precision fp32)")
+            if "avx512_bf16" in self.manifest.get("cpu_features", []) \
+                    and missing(["avx512bf16"]):
+                raise ArtifactError("this artifact's products run on AVX-512 BF16 dot products, "
+                                    "and this CPU has none (/proc/cpuinfo flag avx512_bf16); "
+                                    "compile it here (or with --precision fp32)")
             self._libdir = tempfile.TemporaryDirectory(prefix="gcomp-")
             lib_path = Path(self._libdir.name) / LIB_NAME
             lib_path.write_bytes(self.lib_bytes)

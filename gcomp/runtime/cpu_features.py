@@ -1,5 +1,6 @@
-"""What this CPU and OS allow beyond the instructions a target names: AMX tiles, and the
-vector instructions of a CPU another artifact was compiled for (``--mcpu``).
+"""What this CPU and OS allow beyond the instructions a target names: AMX tiles, AVX-512
+BF16 dot products, and the vector instructions of a CPU another artifact was compiled
+for (``--mcpu``).
 
 An artifact compiled with ``--precision bf16`` on a CPU with AMX-BF16 runs its dense
 products on tiles (``gcomp/codegen/amx_kernels.py``).  LLVM may not name such a CPU
@@ -7,7 +8,10 @@ products on tiles (``gcomp/codegen/amx_kernels.py``).  LLVM may not name such a 
 flags; and Linux hands a process the tiles' register state only when it asks for it
 (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``), which ``enable_amx`` does
 before such a library runs.  Without the grant the first tile instruction kills the
-process, so loading refuses instead, with the reason.
+process, so loading refuses instead, with the reason.  A CPU with AVX-512 BF16 but no
+tiles (AMD Zen 4) runs those products on its dot products instead; the compiler adds
+them to a target LLVM does not know has them, so the artifact names them too and
+loading checks them apart from the target's.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from functools import lru_cache
 
 AMX_FLAGS = ("amx_tile", "amx_bf16")   # /proc/cpuinfo names
 AMX_MATTR = ["+amx-tile", "+amx-bf16"]  # LLVM's
+DOT_BF16_FLAG = "avx512_bf16"
+DOT_BF16_MATTR = ["+avx512bf16"]
 _SYS_ARCH_PRCTL = 158                   # x86-64 Linux
 _ARCH_REQ_XCOMP_PERM = 0x1023
 _XFEATURE_XTILEDATA = 18
@@ -34,6 +40,11 @@ def host_flags() -> frozenset:
     except OSError:
         pass
     return frozenset()
+
+
+def host_has_dot_bf16() -> bool:
+    """AVX-512 BF16 dot products (``gcomp/codegen/dot_bf16_kernels.py``)."""
+    return platform.machine() == "x86_64" and DOT_BF16_FLAG in host_flags()
 
 
 def host_has_amx() -> bool:
