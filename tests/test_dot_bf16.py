@@ -75,11 +75,13 @@ def test_compiles_to_vdpbf16ps_for_zen4(kind, stored):
 @pytest.mark.parametrize("K,M,n,out_bf16", [(32, 32, 1000, False), (128, 32, 333, True),
                                             (40, 32, 517, False), (32, 40, 250, True),
                                             (32, 17, 9, False), (32, 128, 101, True),
-                                            (10, 20, 3, False), (64, 200, 70, False)])
+                                            (10, 20, 3, False), (64, 200, 70, False),
+                                            (1432, 64, 50, True), (64, 1433, 20, False)])
 def test_product_matches_float64(K, M, n, out_bf16):
     """Groups of 8 rows and the last rows (n = 9, 3: rows past n repeat the last and are
     not stored); columns padded to 16 (M = 17, 40, 200); tiles of 64 columns in groups of 4
-    rows (M = 128, 200); K = 10, five pairs: a prefetch step of 4 and one more; the
+    rows (M = 128, 200: three tiles of 64 in a loop and one of 8; 1,433: 22 and one of 25);
+    K = 10, five pairs: a prefetch step of 4 and one more; Cora-wide rows (K = 1,432); the
     epilogue (bias, a residual row, relu) on the float32 sums; a bfloat16 output rounded
     once."""
     epilogue = (("bias_add", (), 0, False), ("add", (), 1, False), ("relu", (), None, False))
@@ -110,14 +112,18 @@ def test_product_matches_float64(K, M, n, out_bf16):
     (128, 32, 1000, ("x", "y"), False), (128, 32, 5001, ("x", "y"), True),
     (32, 40, 4999, ("x", "y"), True), (33, 17, 1001, ("y",), False),
     (16, 48, 1000, ("x",), True), (7, 5, 1001, ("x", "y"), True), (32, 32, 5, ("x", "y"), False),
-    (128, 128, 700, ("x", "y"), False), (40, 32, 2, ("x",), True), (32, 32, 1, ("x", "y"), True)])
+    (128, 128, 700, ("x", "y"), False), (40, 32, 2, ("x",), True), (32, 32, 1, ("x", "y"), True),
+    (80, 200, 1001, ("x", "y"), True), (1433, 64, 301, ("y",), True)])
 def test_weight_gradient_matches_float64(K, M, n, stored, sum_row):
     """x.T @ y in pairs of rows over 16 ranges: an odd n's last pair is one row and a zero
     row; ranges of a few pairs and of none (n = 1, 2, 5); blocks of 16 pairs and a partial
     last block (n = 5,001: prefetching the next block); a float32 operand rounded as it is
     packed; rows of fewer than 16 values or with a rest (K = 7, 33, M = 5, 17, 40), whose
     last group reads into the next row except on the last row; two column tiles (M =
-    128); and a last row of y's column sums (a bias gradient)."""
+    128; 200: three tiles of 64 and one of 8, shapes the float32 kernel leaves to the
+    generic one), Cora-wide rows (K = 1,433: 179 row tiles of 8 in a loop and one of 1;
+    unrolled tile by tile, LLVM took minutes); and a last row of y's column sums (a bias
+    gradient)."""
     spec = KernelSpec.make("matmul_tn", K=K, M=M, bf16=stored, sum_row=sum_row)
     fn = _build(spec, _host_dot_target())
     rng = np.random.default_rng(K * M + n)

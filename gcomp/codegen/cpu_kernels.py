@@ -692,14 +692,14 @@ def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = 16, amx: bool = F
     in L1."""
     if gpu:
         return None
+    if dot_bf16 and (stored_bf16("x") or stored_bf16("y")):  # any shape
+        return dot_bf16_kernels.matmul_tn_dot(K, M, chunks, sum_row)
     tile = _matmul_tn_tile(K, M, tuning)
     if tile is None:
         return None
     if (amx and not sum_row and (stored_bf16("x") or stored_bf16("y"))
             and amx_kernels.tn_tiles(K, M)):
         return amx_kernels.matmul_tn_amx(K, M, chunks)
-    if dot_bf16 and (stored_bf16("x") or stored_bf16("y")):
-        return dot_bf16_kernels.matmul_tn_dot(K, M, chunks, sum_row)
     TA, TB = tile
     f32, i64 = "float32", "int64"
     P, R = chunks, K + int(sum_row)

@@ -97,10 +97,18 @@ def uses_dot(script: str) -> bool:
     return DOT in script
 
 
-def _column_tiles(M: int) -> list[tuple[int, int]]:
-    """(first column, padded width) of the column tiles: widths multiples of 16."""
-    MP = -(-M // LANES) * LANES
-    return [(c, min(TILE, MP - c)) for c in range(0, MP, TILE)]
+def _tiles(total: int, size: int, first: int = 0) -> list[tuple[int, int, int]]:
+    """(first, tiles, width) of the tile groups covering ``total`` from ``first``: whole
+    tiles of ``size`` (a loop) and the rest, so that a kernel's nests do not grow with its
+    shape (a weight gradient of 1,433 rows unrolled tile by tile took LLVM minutes)."""
+    groups = [(first, total // size, size)] if total >= size else []
+    if total % size:
+        groups.append((first + total - total % size, 1, total % size))
+    return groups
+
+
+def _padded(width: int) -> int:
+    return -(-width // LANES) * LANES
 
 
 def matmul_dot(K: int, M: int, epilogue: tuple, extras: tuple):
@@ -110,11 +118,12 @@ def matmul_dot(K: int, M: int, epilogue: tuple, extras: tuple):
     3.9 with 6, 4.7 with 8; 128 -> 32 4.7, 3.5, 3.4, 3.4; 32 -> 40 1.43 with 4, 1.35
     with 8; 32 -> 16 1.56 with 4, 0.73 with 8)."""
     f32, u16 = "float32", "uint16"
-    tiles = _column_tiles(M)
-    MP = tiles[-1][0] + tiles[-1][1]
-    R = 8 if 8 * (tiles[0][1] // LANES) <= ACCUMULATORS else 4
+    MP = _padded(M)
+    tiles = _tiles(M, TILE)
+    R = 8 if 8 * (_padded(tiles[0][2]) // LANES) <= ACCUMULATORS else 4
     KP = K // 2
     KS = min(MM_SHARE_K // 2, KP)  # pairs between two shares of prefetches
+    shares = sum(count for _, count, _ in tiles) * (KP // KS)
     ahead = max(1, MM_AHEAD_BYTES // (R * K * 2))  # groups
     with IRBuilder() as ib:
         with T.prim_func():
@@ -142,43 +151,51 @@ def matmul_dot(K: int, M: int, epilogue: tuple, extras: tuple):
                     lo, hi = _row_range(groups, p, CHUNKS)
                     with T.serial(0, hi - lo) as gi:
                         g = lo + gi
-                        for c0, width in tiles:
-                            V = width // LANES
-                            acc = [_scratch((width,)) for _ in range(R)]
-                            for r in range(R):
-                                _features(width, lambda j, r=r: T.buffer_store(
-                                    acc[r], tirx.const(0.0, f32), [j]))
-
-                            def k_step(kp, c0=c0, V=V, acc=acc):
-                                for r in range(R):
-                                    i = tirx.min(g * R + r, n - 1)
-                                    for v in range(V):
-                                        T.evaluate(tirx.call_extern(
-                                            "void", DOT,
-                                            tirx.address_of(acc[r][v * LANES]),
-                                            tirx.address_of(xb[i * K + 2 * kp]),
-                                            tirx.address_of(wpb[(kp * MP + c0 + v * LANES) * 2])))
-                            with T.serial(0, KP // KS) as s:
-                                if c0 == 0:  # the rows ahead, a share every KS pairs
-                                    _prefetch_share([(x, K), (out, M, True)], (g + ahead) * R,
-                                                    R, n, s, KP // KS)
-                                with T.serial(0, KS) as k:
-                                    k_step(s * KS + k)
-                            if KP % KS:
-                                with T.serial(KP - KP % KS, KP) as kp:
-                                    k_step(kp)
-                            for r in range(R):
-                                i = g * R + r
-                                cols = min(width, M - c0)
-                                with _if(i < n):
-                                    def store(j, r=r, i=i):
-                                        c = c0 + j
-                                        res = epi.apply(
-                                            epilogue, acc[r][j],
-                                            lambda e: extra[e][epi.index(extras[e], i, c)])
-                                        T.buffer_store(out, res, [i, c])
-                                    _features(cols, store)
+                        for first, count, width in tiles:
+                            with T.serial(0, count) as t:
+                                _row_group(x, xb, wpb, out, extra, extras, epilogue, n, g, R,
+                                           K, M, MP, first + t * width, width,
+                                           (first // TILE + t) * (KP // KS), shares, ahead)
     return ib.get()
+
+
+def _row_group(x, xb, wpb, out, extra, extras, epilogue, n, g, R: int, K: int, M: int,
+               MP: int, c0, width: int, share0, shares: int, ahead: int) -> None:
+    """Rows g * R .. g * R + R - 1 of ``matmul_dot``'s output, columns c0 .. c0 + width - 1,
+    each row's sums in registers (padded to whole vectors); prefetches its shares of the
+    rows ``ahead`` groups on, from share ``share0``."""
+    f32 = "float32"
+    V = _padded(width) // LANES
+    KP = K // 2
+    KS = min(MM_SHARE_K // 2, KP)
+    acc = [_scratch((V * LANES,)) for _ in range(R)]
+    for r in range(R):
+        _features(V * LANES, lambda j, r=r: T.buffer_store(acc[r], tirx.const(0.0, f32), [j]))
+
+    def k_step(kp):
+        for r in range(R):
+            i = tirx.min(g * R + r, n - 1)
+            for v in range(V):
+                T.evaluate(tirx.call_extern(
+                    "void", DOT, tirx.address_of(acc[r][v * LANES]),
+                    tirx.address_of(xb[i * K + 2 * kp]),
+                    tirx.address_of(wpb[(kp * MP + c0 + v * LANES) * 2])))
+    with T.serial(0, KP // KS) as s:  # the rows ahead, a share every KS pairs
+        _prefetch_share([(x, K), (out, M, True)], (g + ahead) * R, R, n, share0 + s, shares)
+        with T.serial(0, KS) as k:
+            k_step(s * KS + k)
+    if KP % KS:
+        with T.serial(KP - KP % KS, KP) as kp:
+            k_step(kp)
+    for r in range(R):
+        i = g * R + r
+        with _if(i < n):
+            def store(j, r=r, i=i):
+                c = c0 + j
+                res = epi.apply(epilogue, acc[r][j],
+                                lambda e: extra[e][epi.index(extras[e], i, c)])
+                T.buffer_store(out, res, [i, c])
+            _features(width, store)
 
 
 # ---------------------------------------------------------------- weight gradients
@@ -186,6 +203,32 @@ def matmul_dot(K: int, M: int, epilogue: tuple, extras: tuple):
 # arxiv-size rows, 2 threads, interleaved: 128 x 32 4.0 ms with 8, 3.7-3.9 with 16, 4.4
 # with 32; 32 x 32 1.2, 1.0, 1.4
 BLOCK_PAIRS = 16
+
+
+def _tn_tile(part, p, xp, yp, count, SX: int, SY: int, a0, ta: int, b0, tb: int,
+             ones: int | None) -> None:
+    """Rows a0 .. a0 + ta - 1, columns b0 .. b0 + tb - 1 of range p's partial sum
+    ``part`` += the ``count`` packed pairs of x and y rows: the tile's sums in registers
+    (padded to whole vectors) for the block.  ``ones``: the tile is the bias row, its x
+    pairs the ones at that position of each packed x row."""
+    V = _padded(tb) // LANES
+    acc = [_scratch((V * LANES,)) for _ in range(ta)]
+    # padding lanes too (part's columns past M stay 0): a lane never written is poison to
+    # LLVM, and the instruction's whole result with it
+    for t in range(ta):
+        _features(V * LANES, lambda j, t=t: T.buffer_store(acc[t], part[p, a0 + t, b0 + j],
+                                                           [j]))
+    with T.serial(0, count) as q:
+        for t in range(ta):
+            pos = ones if ones is not None else 2 * (a0 + t)
+            for v in range(V):
+                T.evaluate(tirx.call_extern(
+                    "void", DOT, tirx.address_of(acc[t][v * LANES]),
+                    tirx.address_of(xp[q * SX + pos]),
+                    tirx.address_of(yp[q * SY + 2 * (b0 + v * LANES)])))
+    for t in range(ta):
+        _features(V * LANES, lambda j, t=t: T.buffer_store(part, acc[t][j],
+                                                           [p, a0 + t, b0 + j]))
 
 
 def _pack_rows(dst, base, src, W: int, ra, rb, n) -> None:
@@ -216,13 +259,13 @@ def _pack_rows(dst, base, src, W: int, ra, rb, n) -> None:
     main = W - W % LANES
     with T.If(rb < n - 1 if main < W else rb < n):
         with T.Then():
-            for g in range(0, groups, LANES):
-                pair(g)
+            with T.serial(0, groups // LANES) as q:
+                pair(q * LANES)
         with T.Else():
             with T.If(rb < n):
                 with T.Then():
-                    for g in range(0, main, LANES):
-                        pair(g)
+                    with T.serial(0, main // LANES) as q:
+                        pair(q * LANES)
                     with T.serial(main, W) as c:
                         element(ra, c, 0)
                         element(rb, c, 1)
@@ -243,18 +286,16 @@ def matmul_tn_dot(K: int, M: int, chunks: int, sum_row: bool):
     sums in registers.  ``sum_row``: a last row of y's column sums (a bias gradient), x's
     packed rows ending in a pair of ones."""
     f32, u16 = "float32", "uint16"
-    MP = -(-M // LANES) * LANES
-    TB = MP if MP <= TILE else TILE
-    V = TB // LANES
-    TA = next(t for t in (8, 4, 2, 1) if K % t == 0 and t * V <= ACCUMULATORS)
+    MP = _padded(M)
+    col_tiles = _tiles(M, TILE)
+    TA = next(t for t in (8, 4, 2, 1) if t * _padded(col_tiles[0][2]) <= ACCUMULATORS * LANES)
+    row_tiles = _tiles(K, TA) + ([(K, 1, 1)] if sum_row else [])
+    tiles = [(r, c) for r in row_tiles for c in col_tiles]
+    shares = sum(r[1] * c[1] for r, c in tiles)
     KX = K + int(sum_row)                      # rows of the result
-    SX = 2 * (-(-K // LANES) * LANES) + (2 * LANES if sum_row else 0)  # packed x pair stride
+    SX = 2 * _padded(K) + (2 * LANES if sum_row else 0)  # packed x pair stride
     SY = 2 * MP
-    row_tiles = [(a, TA) for a in range(0, K, TA)] + ([(K, 1)] if sum_row else [])
     P = chunks
-
-    def x_pos(a: int) -> int:  # of row a's pair in a packed x row
-        return SX - 2 * LANES if a == K else 2 * a
     with IRBuilder() as ib:
         with T.prim_func():
             T.func_name("matmul_tn")
@@ -283,27 +324,17 @@ def matmul_tn_dot(K: int, M: int, chunks: int, sum_row: bool):
                             ra = 2 * (first + q)
                             _pack_rows(xp, q * SX, x, K, ra, ra + 1, n)
                             _pack_rows(yp, q * SY, y, M, ra, ra + 1, n)
-                        for ti, (a0, ta) in enumerate(row_tiles):
-                            with T.serial(0, MP // TB) as b0:
+                        share0 = 0
+                        for (a_first, a_count, ta), (b_first, b_count, tb) in tiles:
+                            with T.grid(a_count, b_count) as (at, bt):
+                                share = share0 + at * b_count + bt
                                 if ahead:  # the next block's rows, a share per tile
                                     _prefetch_share([(x, K), (y, M)], 2 * (first + count),
-                                                    2 * BLOCK_PAIRS, n, ti * (MP // TB) + b0,
-                                                    len(row_tiles) * (MP // TB))
-                                acc = [_scratch((TB,)) for _ in range(ta)]
-                                for t in range(ta):
-                                    _features(TB, lambda j, t=t: T.buffer_store(
-                                        acc[t], part[p, a0 + t, b0 * TB + j], [j]))
-                                with T.serial(0, count) as q:
-                                    for t in range(ta):
-                                        for v in range(V):
-                                            T.evaluate(tirx.call_extern(
-                                                "void", DOT, tirx.address_of(acc[t][v * LANES]),
-                                                tirx.address_of(xp[q * SX + x_pos(a0 + t)]),
-                                                tirx.address_of(
-                                                    yp[q * SY + 2 * (b0 * TB + v * LANES)])))
-                                for t in range(ta):
-                                    _features(TB, lambda j, t=t: T.buffer_store(
-                                        part, acc[t][j], [p, a0 + t, b0 * TB + j]))
+                                                    2 * BLOCK_PAIRS, n, share, shares)
+                                _tn_tile(part, p, xp, yp, count, SX, SY,
+                                         a_first + at * ta, ta, b_first + bt * tb, tb,
+                                         SX - 2 * LANES if a_first == K else None)
+                            share0 += a_count * b_count
                     full = T.Bind((hi - lo) // BLOCK_PAIRS)
                     with T.serial(0, full) as blk:
                         block(lo + blk * BLOCK_PAIRS, BLOCK_PAIRS, ahead=True)
