@@ -9,19 +9,20 @@ to the instruction as they are.
 
 TVM 0.27 cannot call the instruction: its LLVM intrinsic takes vectors of LLVM's
 ``bfloat`` type, and TVM passes bfloat16 vectors as 16-bit integers, which LLVM's
-verifier refuses.  So the kernel imports a small LLVM function (``DOT_LL``, through
-TVM's ``pragma_import_llvm``) that takes pointers, converts the types LLVM-side and is
-always inlined: the kernel calls it by name (``call_extern``) on the addresses of a
+verifier refuses.  So the kernels import small LLVM functions (``DOT_LL``, through
+TVM's ``pragma_import_llvm``) that take pointers, convert the types LLVM-side and are
+always inlined: a kernel calls ``DOT`` by name (``call_extern``) on the addresses of a
 row's sums, an x pair and a packed weight vector, and after inlining the sums stay in
-registers (one ``vbroadcastss`` of the x pair per row, one ``vdpbf16ps`` per 16 columns).
+registers (one ``vbroadcastss`` of the x pair per row, one ``vdpbf16ps`` per 16
+columns); ``PAIR`` functions interleave two rows into pairs for the weight gradient.
 
 ``matmul_dot``: out = epilogue(x @ w) with x stored as bfloat16 (the same arguments as
 ``cpu_kernels.matmul``).  The weight is rounded to bfloat16 (as on AMX tiles and under
 PyTorch's autocast) and packed in pairs along k, ``wp[k // 2, 2 j + k % 2] = w[k, j]``,
 columns padded to 16 with zeros, by each of ``CHUNKS`` row ranges run in parallel; a
-range multiplies ``rows`` rows at a time (the row-group kernel's rule), each row's sums
-for a tile of up to 64 columns in registers, and prefetches the rows ahead as that
-kernel does.  Sums are float32, the epilogue runs on them, and a bfloat16 output is
+range multiplies a group of rows at a time, each row's sums for a tile of up to 64
+columns in registers (whole tiles in a loop, then the rest: ``_tiles``), and prefetches
+the rows ahead as the row-group kernel does.  Sums are float32, the epilogue runs on them, and a bfloat16 output is
 rounded once.
 
 ``matmul_tn_dot``: the weight gradient x.T @ y with x or y (or both) stored as
