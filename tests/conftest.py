@@ -57,6 +57,18 @@ def widen_bf16(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
+def assert_bf16_step_close(trainers: dict) -> None:
+    """One training step of ``trainers["bf16"]`` and ``trainers["fp32"]`` (same model,
+    weights and graph): the losses within 2%, each weight gradient within 5% of float32's
+    largest value (bfloat16 rounding)."""
+    loss = {p: t.step() for p, t in trainers.items()}
+    assert abs(loss["bf16"] - loss["fp32"]) < 2e-2 * abs(loss["fp32"])
+    g32, g16 = trainers["fp32"].gradients(), trainers["bf16"].gradients()
+    for k in g32:
+        err = np.abs(g16[k] - g32[k]).max() / (np.abs(g32[k]).max() + 1e-12)
+        assert err < 5e-2, (k, err)
+
+
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-12))

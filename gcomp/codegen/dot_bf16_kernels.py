@@ -42,6 +42,7 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
 from gcomp.codegen import epilogue as epi
+from gcomp.codegen.amx_kernels import pack_weight_pairs, product_args
 from gcomp.codegen.cpu_kernels import (MM_AHEAD_BYTES, MM_SHARE_K, _features, _if,
                                        _prefetch_share, _row_range, _scratch)
 from gcomp.codegen.kernels import arg
@@ -118,7 +119,7 @@ def matmul_dot(K: int, M: int, epilogue: tuple, extras: tuple):
     arxiv-size rows, 2 threads, interleaved: 32 -> 128 9.3 ms with 2 rows, 3.7 with 4,
     3.9 with 6, 4.7 with 8; 128 -> 32 4.7, 3.5, 3.4, 3.4; 32 -> 40 1.43 with 4, 1.35
     with 8; 32 -> 16 1.56 with 4, 0.73 with 8)."""
-    f32, u16 = "float32", "uint16"
+    u16 = "uint16"
     MP = _padded(M)
     tiles = _tiles(M, TILE)
     R = 8 if 8 * (_padded(tiles[0][2]) // LANES) <= ACCUMULATORS else 4
@@ -130,25 +131,15 @@ def matmul_dot(K: int, M: int, epilogue: tuple, extras: tuple):
         with T.prim_func():
             T.func_name("matmul")
             T.func_attr({"tirx.noalias": True})
-            n = tirx.Var("n", "int64")
-            x = arg("x", (n, K), f32)
-            w = arg("w", (K, M), f32)
-            extra = [arg(f"e{k}", epi.shape(kind, n, M), f32) for k, kind in enumerate(extras)]
-            out = arg("out", (n, M), f32)
+            n, x, w, extra, out = product_args(K, M, extras)
             # the pairs are read as raw bits: an alias of x's data as uint16 keeps TVM's
             # bfloat16 legalization away from the addresses
             xb = T.decl_buffer((n * K,), u16, data=x.data)
             groups = T.Bind((n + R - 1) // R)
             with T.attr(tirx.const(0, "int32"), "pragma_import_llvm", ir.StringImm(DOT_LL)):
                 with T.parallel(0, CHUNKS) as p:
-                    wp = T.alloc_buffer((KP, 2 * MP), "bfloat16", scope="local")
+                    wp = pack_weight_pairs(w, K, M, MP)
                     wpb = T.decl_buffer((KP * 2 * MP,), u16, data=wp.data)
-                    with T.serial(0, KP) as kk:
-                        with T.serial(0, MP) as j:
-                            for s in range(2):
-                                T.buffer_store(wp, tirx.Cast("bfloat16", tirx.if_then_else(
-                                    j < M, w[2 * kk + s, tirx.min(j, M - 1)],
-                                    tirx.const(0.0, f32))), [kk, 2 * j + s])
                     lo, hi = _row_range(groups, p, CHUNKS)
                     with T.serial(0, hi - lo) as gi:
                         g = lo + gi

@@ -17,7 +17,8 @@ kernel specs.  Guarantees, for ``store_bf16``:
   such an output (and any argument a kernel's definition cannot declare bfloat16) stays
   float32, until no kernel needs a change.
 * On a target with AMX tiles or AVX-512 BF16 dot products, products reading a node
-  input that those could run read a bfloat16 copy of it (``{input}.bf16``) that a feed step rounds once per feed.
+  input that those could run read a bfloat16 copy of it (``{input}.bf16``) that a feed
+  step rounds once per feed.
 """
 
 from __future__ import annotations
@@ -87,8 +88,8 @@ def _round_features(plan: Plan, specs: dict, tgt: dict) -> None:
     its weight gradient) a bfloat16 copy of it, rounded once per feed by a feed step,
     where that makes them tile or dot products (``amx_kernels.py``,
     ``dot_bf16_kernels.py``): rounding float32 rows as such a kernel loads them costs as
-    much as the float32 product.  The input itself then
-    stays float32 and is read by the feed step alone (in the caller's array)."""
+    much as the float32 product.  The input itself then stays float32 and is read by the
+    feed step alone (in the caller's array)."""
     for inp in plan.inputs:
         x = inp["name"]
         if inp["role"] != "node" or inp.get("dtype", "float32") != "float32" \
