@@ -37,6 +37,7 @@ from tvm.script.ir_builder import tirx as T
 
 from gcomp.codegen import epilogue as epi
 from gcomp.codegen.cpu_kernels import _features, _prefetch_share, _row_range
+from gcomp.codegen.bf16_pairs import pack_weight_pairs, product_args
 from gcomp.codegen.kernels import arg, definer, stored_bf16
 
 ROWS = 16      # rows of an x tile and of a sums tile
@@ -140,31 +141,6 @@ def matmul_amx(K: int, M: int, epilogue: tuple, extras: tuple):
                                     * tirx.Cast(f32, wp[k // 2, 2 * j + k % 2]), [j]))
                             _store_row(out, extra, extras, epilogue, i, M, lambda j: row[j])
     return ib.get()
-
-
-def product_args(K: int, M: int, extras: tuple):
-    """(n, x, w, extra, out): the arguments of a ``matmul`` kernel, named as
-    ``cpu_kernels.matmul`` names them (the precision pass asks for them by name)."""
-    f32 = "float32"
-    n = tirx.Var("n", "int64")
-    x = arg("x", (n, K), f32)
-    w = arg("w", (K, M), f32)
-    extra = [arg(f"e{k}", epi.shape(kind, n, M), f32) for k, kind in enumerate(extras)]
-    return n, x, w, extra, arg("out", (n, M), f32)
-
-
-def pack_weight_pairs(w, K: int, M: int, MP: int):
-    """A local bfloat16 copy of the float32 weight ``w`` [K, M] (K even) in pairs along
-    k, as the bfloat16 products read it: ``wp[k // 2, 2 j + k % 2] = w[k, j]``, columns
-    M .. MP - 1 zero."""
-    wp = T.alloc_buffer((K // 2, 2 * MP), "bfloat16", scope="local")
-    with T.serial(0, K // 2) as kk:
-        with T.serial(0, MP) as j:
-            for s in range(2):
-                T.buffer_store(wp, tirx.Cast("bfloat16", tirx.if_then_else(
-                    j < M, w[2 * kk + s, tirx.min(j, M - 1)], tirx.const(0.0, "float32"))),
-                    [kk, 2 * j + s])
-    return wp
 
 
 def _load_tile_config(shapes: dict) -> None:

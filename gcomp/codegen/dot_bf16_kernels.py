@@ -42,9 +42,9 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
 from gcomp.codegen import epilogue as epi
-from gcomp.codegen.amx_kernels import pack_weight_pairs, product_args
 from gcomp.codegen.cpu_kernels import (MM_AHEAD_BYTES, MM_SHARE_K, _features, _if,
                                        _prefetch_share, _row_range, _scratch)
+from gcomp.codegen.bf16_pairs import pack_weight_pairs, product_args
 from gcomp.codegen.kernels import arg
 
 LANES = 16       # float32 sums per instruction
