@@ -168,7 +168,7 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
         raise CompileError("inference needs the eval_mode pass (dropout is the identity at "
                            "inference, not a random mask); do not disable it")
     scatter = ctx.scatters_out_edges()  # memory over reproducibility on a GPU
-    plan, specs = lower(ir_graph, formats, scatter, gpu=tgt["kind"] == "cuda")
+    plan, specs = lower(ir_graph, formats, scatter, gpu=tgt["kind"] == "cuda", target=tgt)
     for out, named in zip(plan.outputs, model.graph.outputs):
         out["name"] = named.name  # the model's name: passes may have merged the value (cse)
     ir = {"source": print_graph(model.graph),
@@ -180,7 +180,8 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
         if "grads" not in tgraph.meta:
             raise CompileError("training needs the add_loss and autodiff passes; do not "
                                "disable them")
-        train_plan, tspecs = lower(tgraph, formats, scatter, gpu=tgt["kind"] == "cuda")
+        train_plan, tspecs = lower(tgraph, formats, scatter, gpu=tgt["kind"] == "cuda",
+                                   target=tgt)
         train_plan.loss = tgraph.outputs[0].name
         train_plan.grads = dict(tgraph.meta["grads"])
         add_optimizer(train_plan, tspecs, opt, one_kernel=tgt["kind"] == "cuda")

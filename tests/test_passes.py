@@ -873,3 +873,62 @@ def test_fused_loss_kernel_trains_as_the_two_kernels():
     ga, gb = trs["fused"].gradients(), trs["apart"].gradients()
     for k in gb:
         np.testing.assert_allclose(ga[k], gb[k], rtol=1e-5, atol=1e-7 * np.abs(gb[k]).max())
+
+
+SAGE_LAYER = """graph t(%x: f32[N,4], %g: graph<coo>) {
+  %wl = param[init="glorot"] : f32[4,3]
+  %wr = param[init="glorot"] : f32[4,3]
+  %bl = param[init="zeros"] : f32[3]
+  %h = relu(%x) : f32[N,4]
+  %m = aggregate[reduce="mean"](%g, %h) : f32[N,4]
+  %p = matmul(%m, %wl) : f32[N,3]
+  %b = bias_add(%p, %bl) : f32[N,3]
+  %q = matmul(%h, %wr) : f32[N,3]
+  %s = add(%b, %q) : f32[N,3]
+  %r = relu(%s) : f32[N,3]
+  return %r
+}"""
+
+
+def _fusion_meta(g) -> dict:
+    return {n.name: {k: v for k, v in n.meta.items() if k in ("fused", "fused_into", "product")}
+            for n in g}
+
+
+def test_fuse_epilogues_sums_a_second_product_in_the_matmul():
+    """GraphSAGE's ``lin_l(mean) + bias + lin_r(h)``: the first product's kernel takes in
+    the bias, the second product (marked, summed in the same registers), the add and the
+    relu; values unchanged."""
+    from gcomp.passes import FuseEpilogues
+    g = parse_graph(SAGE_LAYER)
+    PassManager([FuseEpilogues()])(g)
+    meta = _fusion_meta(g)
+    assert meta["p"] == {"fused": ["b", "q", "s", "r"]}
+    assert meta["q"] == {"fused_into": "p", "product": True}
+    assert all(meta[m] == {"fused_into": "p"} for m in "bsr")
+    assert print_graph(g) == print_graph(parse_graph(SAGE_LAYER))
+
+
+@pytest.mark.parametrize("change", ["second user", "relu first", "features", "cuda", "tiles"])
+def test_second_products_stay_apart_where_the_kernel_cannot_sum_them(change):
+    """Not when the second product is read elsewhere too (it must be stored), when a
+    non-additive member comes before the add (the sums would skip it), when an x is node
+    features (their products have sparse-feature variants), on CUDA, or where bfloat16
+    products run on AMX tiles (one product a kernel there): the add reads the second
+    product as a stored extra, as before."""
+    from gcomp.passes import FuseEpilogues
+    text, ctx = SAGE_LAYER, None
+    if change == "second user":
+        text = text.replace("return %r", "return %r, %q")
+    elif change == "relu first":
+        text = text.replace("%b = bias_add(%p, %bl)", "%b = tanh(%p)")
+    elif change == "features":
+        text = text.replace("%q = matmul(%h, %wr)", "%q = matmul(%x, %wr)")
+    else:
+        ctx = PassContext(target="cuda") if change == "cuda" else PassContext(tile_products=True)
+    g = parse_graph(text)
+    PassManager([FuseEpilogues()])(g, ctx)
+    meta = _fusion_meta(g)
+    assert not any("product" in m for m in meta.values())
+    if change != "second user":
+        assert meta["p"]["fused"] == ["b", "s", "r"]  # %q read from memory

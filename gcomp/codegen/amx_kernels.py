@@ -90,7 +90,7 @@ def matmul_amx(K: int, M: int, epilogue: tuple, extras: tuple):
         with T.prim_func():
             T.func_name("matmul")
             T.func_attr({"tirx.noalias": True})
-            n, x, w, extra, out = product_args(K, M, extras)
+            n, ((x, w, _),), extra, out = product_args(K, M, extras)
             # the tile loads read raw bfloat16 bits: an alias of x's data as uint16 keeps
             # TVM's bfloat16 legalization away from the pointer arithmetic
             xb = T.decl_buffer((n, K), u16, data=x.data)

@@ -14,15 +14,18 @@ from gcomp.codegen import epilogue as epi
 from gcomp.codegen.kernels import arg
 
 
-def product_args(K: int, M: int, extras: tuple):
-    """(n, x, w, extra, out): the arguments of a ``matmul`` kernel, named as
-    ``cpu_kernels.matmul`` names them (the precision pass asks for them by name)."""
+def product_args(K: int, M: int, extras: tuple, K2: int = 0):
+    """(n, products, extra, out): the arguments of a ``matmul`` kernel, named as
+    ``cpu_kernels.matmul`` names them (the precision pass asks for them by name);
+    ``products`` holds (x, w, K) of ``x @ w`` and, when ``K2``, of the second product
+    ``x2 @ w2``."""
     f32 = "float32"
     n = tirx.Var("n", "int64")
-    x = arg("x", (n, K), f32)
-    w = arg("w", (K, M), f32)
+    products = [(arg("x", (n, K), f32), arg("w", (K, M), f32), K)]
+    if K2:
+        products.append((arg("x2", (n, K2), f32), arg("w2", (K2, M), f32), K2))
     extra = [arg(f"e{k}", epi.shape(kind, n, M), f32) for k, kind in enumerate(extras)]
-    return n, x, w, extra, arg("out", (n, M), f32)
+    return n, products, extra, arg("out", (n, M), f32)
 
 
 def pack_weight_pairs(w, K: int, M: int, MP: int):

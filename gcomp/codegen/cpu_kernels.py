@@ -580,7 +580,7 @@ def _matmul_cols(M: int, tuning: str) -> int:
 
 @definer("matmul", target="llvm")
 def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = (),
-           tuning: str = "default", amx: bool = False, dot_bf16: bool = False):
+           tuning: str = "default", amx: bool = False, dot_bf16: bool = False, K2: int = 0):
     """out[i, j] = epilogue(sum_k x[i, k] * w[k, j]), R rows at a time: each row of w
     loaded serves R rows of x, whose sums stay in registers (the row-at-a-time schedule
     loads a row of w per multiply-add).  Rows past n in the last group repeat row n - 1
@@ -597,14 +597,20 @@ def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = (),
     None (the generic kernel, scheduled) where that is faster.  With x stored as bfloat16
     on a CPU with AMX tiles: the tile kernel (``amx_kernels.py``), on one with AVX-512
     BF16 but no tiles the dot-product kernel (``dot_bf16_kernels.py``); both name their
-    arguments as this one does (the precision pass asks for them by name)."""
+    arguments as this one does (the precision pass asks for them by name).
+
+    ``K2``: a second product ``x2 @ w2`` (x2 [n, K2], w2 [K2, M]) summed into the same
+    registers before the epilogue (``passes/fuse_epilogues.py``: GraphSAGE's
+    ``lin_l(mean) + lin_r(x)``), so neither product's rows are stored and read back; None
+    where the row groups do not take either product (lowering then runs them apart)."""
     R = _matmul_rows(K, M, tuning)
-    if R is None:
+    if R is None or K2 and _matmul_rows(K2, M, tuning) is None:
         return None
-    if amx and stored_bf16("x") and amx_kernels.supported(K, M):
+    if amx and not K2 and stored_bf16("x") and amx_kernels.supported(K, M):
         return amx_kernels.matmul_amx(K, M, epilogue, extras)
-    if dot_bf16 and stored_bf16("x") and dot_bf16_kernels.supported(K, M):
-        return dot_bf16_kernels.matmul_dot(K, M, epilogue, extras)
+    if (dot_bf16 and stored_bf16("x") and dot_bf16_kernels.supported(K, M)
+            and (not K2 or stored_bf16("x2") and dot_bf16_kernels.supported(K2, M))):
+        return dot_bf16_kernels.matmul_dot(K, M, epilogue, extras, K2)
     TM = _matmul_cols(M, tuning)
     f32 = "float32"
     with IRBuilder() as ib:
@@ -613,18 +619,24 @@ def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = (),
             T.func_attr({"tirx.noalias": True})
             n = tirx.Var("n", "int64")
             spec = [("x", (n, K), f32), ("w", (K, M), f32)]
+            if K2:
+                spec += [("x2", (n, K2), f32), ("w2", (K2, M), f32)]
             spec += [(f"e{k}", epi.shape(kind, n, M), f32) for k, kind in enumerate(extras)]
             spec.append(("out", (n, M), f32))
             bufs = dict(zip([s[0] for s in spec], _args(spec)))
-            x, w, out = bufs["x"], bufs["w"], bufs["out"]
+            out = bufs["out"]
+            products = [(bufs["x"], bufs["w"], K)]
+            if K2:
+                products.append((bufs["x2"], bufs["w2"], K2))
             extra = [bufs[f"e{k}"] for k in range(len(extras))]
-            ahead = max(1, MM_AHEAD_BYTES // (R * K * 4))  # groups
-            KS = min(MM_SHARE_K, K)
-            shares = (M // TM) * (K // KS)
+            ahead = max(1, MM_AHEAD_BYTES // (R * (K + K2) * 4))  # groups
+            steps = [Kp // min(MM_SHARE_K, Kp) for _, _, Kp in products]  # shares per tile
+            shares = (M // TM) * sum(steps)
+            reads = [(x, Kp) for x, _, Kp in products]
             with T.parallel(0, (n + R - 1) // R) as g:
                 acc = [_scratch((TM,)) for _ in range(R)]
 
-                def k_step(k, t):
+                def k_step(x, w, k, t):
                     for r in range(R):
                         a = bound(x[tirx.min(g * R + r, n - 1), k])
                         _features(TM, lambda j, r=r, a=a: T.buffer_store(
@@ -633,14 +645,18 @@ def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = (),
                     for r in range(R):
                         _features(TM, lambda j, r=r: T.buffer_store(acc[r], tirx.const(0.0, f32),
                                                                     [j]))
-                    with T.serial(0, K // KS) as s:
-                        _prefetch_share([(x, K), (out, M, True)], (g + ahead) * R, R, n,
-                                        t * (K // KS) + s, shares)
-                        with T.serial(0, KS) as k:
-                            k_step(s * KS + k, t)
-                    if K % KS:
-                        with T.serial(K - K % KS, K) as k:
-                            k_step(k, t)
+                    first = 0  # this product's first share of the tile's
+                    for (x, w, Kp), count in zip(products, steps):
+                        KS = min(MM_SHARE_K, Kp)
+                        with T.serial(0, count) as s:
+                            _prefetch_share(reads + [(out, M, True)], (g + ahead) * R, R, n,
+                                            t * sum(steps) + first + s, shares)
+                            with T.serial(0, KS) as k:
+                                k_step(x, w, s * KS + k, t)
+                        if Kp % KS:
+                            with T.serial(Kp - Kp % KS, Kp) as k:
+                                k_step(x, w, k, t)
+                        first += count
                     for r in range(R):
                         i = g * R + r
                         with _if(i < n):
@@ -960,7 +976,7 @@ def _rows_in_parts(n, C: int, body) -> None:
     """``body(p, i, acc)`` for every row i, in CE_PARTS row ranges p in parallel when there
     are many logits, else in one range (p = 0); ``acc`` is the range's VEC-float local
     buffer for ``_softmax_row``."""
-    i64, f32 = "int64", "float32"
+    i64 = "int64"
 
     def rows(p, lo, hi):
         acc = _scratch((VEC,))

@@ -113,72 +113,86 @@ def _padded(width: int) -> int:
     return -(-width // LANES) * LANES
 
 
-def matmul_dot(K: int, M: int, epilogue: tuple, extras: tuple):
-    """out = epilogue(x @ w), x stored as bfloat16 (see the module docstring).  A group
-    multiplies 8 rows at a time, 4 when a tile has 64 columns (AMD EPYC Zen 4,
-    arxiv-size rows, 2 threads, interleaved: 32 -> 128 9.3 ms with 2 rows, 3.7 with 4,
-    3.9 with 6, 4.7 with 8; 128 -> 32 4.7, 3.5, 3.4, 3.4; 32 -> 40 1.43 with 4, 1.35
-    with 8; 32 -> 16 1.56 with 4, 0.73 with 8)."""
+def matmul_dot(K: int, M: int, epilogue: tuple, extras: tuple, K2: int = 0):
+    """out = epilogue(x @ w [+ x2 @ w2]), x (and x2) stored as bfloat16 (see the module
+    docstring; ``K2`` as ``cpu_kernels.matmul``'s).  A group multiplies 8 rows at a time,
+    4 when a tile has 64 columns (AMD EPYC Zen 4, arxiv-size rows, 2 threads,
+    interleaved: 32 -> 128 9.3 ms with 2 rows, 3.7 with 4, 3.9 with 6, 4.7 with 8; 128 ->
+    32 4.7, 3.5, 3.4, 3.4; 32 -> 40 1.43 with 4, 1.35 with 8; 32 -> 16 1.56 with 4, 0.73
+    with 8)."""
     u16 = "uint16"
     MP = _padded(M)
     tiles = _tiles(M, TILE)
     R = 8 if 8 * (_padded(tiles[0][2]) // LANES) <= ACCUMULATORS else 4
-    KP = K // 2
-    KS = min(MM_SHARE_K // 2, KP)  # pairs between two shares of prefetches
-    shares = sum(count for _, count, _ in tiles) * (KP // KS)
-    ahead = max(1, MM_AHEAD_BYTES // (R * K * 2))  # groups
+    ahead = max(1, MM_AHEAD_BYTES // (R * (K + K2) * 2))  # groups
     with IRBuilder() as ib:
         with T.prim_func():
             T.func_name("matmul")
             T.func_attr({"tirx.noalias": True})
-            n, x, w, extra, out = product_args(K, M, extras)
-            # the pairs are read as raw bits: an alias of x's data as uint16 keeps TVM's
-            # bfloat16 legalization away from the addresses
-            xb = T.decl_buffer((n * K,), u16, data=x.data)
+            n, args, extra, out = product_args(K, M, extras, K2)
             groups = T.Bind((n + R - 1) // R)
             with T.attr(tirx.const(0, "int32"), "pragma_import_llvm", ir.StringImm(DOT_LL)):
                 with T.parallel(0, CHUNKS) as p:
-                    wp = pack_weight_pairs(w, K, M, MP)
-                    wpb = T.decl_buffer((KP * 2 * MP,), u16, data=wp.data)
+                    products = []
+                    for x, w, Kp in args:
+                        wp = pack_weight_pairs(w, Kp, M, MP)
+                        # the pairs are read as raw bits: an alias of x's data as uint16
+                        # keeps TVM's bfloat16 legalization away from the addresses
+                        products.append(_Product(
+                            x, T.decl_buffer((n * Kp,), u16, data=x.data), Kp,
+                            T.decl_buffer((Kp // 2 * 2 * MP,), u16, data=wp.data)))
+                    per_tile = sum(q.shares for q in products)
+                    shares = sum(count for _, count, _ in tiles) * per_tile
                     lo, hi = _row_range(groups, p, CHUNKS)
                     with T.serial(0, hi - lo) as gi:
                         g = lo + gi
                         for first, count, width in tiles:
                             with T.serial(0, count) as t:
-                                _row_group(x, xb, wpb, out, extra, extras, epilogue, n, g, R,
-                                           K, M, MP, first + t * width, width,
-                                           (first // TILE + t) * (KP // KS), shares, ahead)
+                                _row_group(products, out, extra, extras, epilogue, n, g, R, M,
+                                           MP, first + t * width, width,
+                                           (first // TILE + t) * per_tile, shares, ahead)
     return ib.get()
 
 
-def _row_group(x, xb, wpb, out, extra, extras, epilogue, n, g, R: int, K: int, M: int,
-               MP: int, c0, width: int, share0, shares: int, ahead: int) -> None:
+class _Product:
+    """One product of ``matmul_dot``: x, its bits (``xb``), K, the packed weight's bits."""
+
+    def __init__(self, x, xb, K: int, wpb):
+        self.x, self.xb, self.K, self.wpb = x, xb, K, wpb
+        self.KS = min(MM_SHARE_K // 2, K // 2)  # pairs between two shares of prefetches
+        self.shares = (K // 2) // self.KS
+
+
+def _row_group(products, out, extra, extras, epilogue, n, g, R: int, M: int, MP: int, c0,
+               width: int, share0, shares: int, ahead: int) -> None:
     """Rows g * R .. g * R + R - 1 of ``matmul_dot``'s output, columns c0 .. c0 + width - 1,
-    each row's sums in registers (padded to whole vectors); prefetches its shares of the
-    rows ``ahead`` groups on, from share ``share0``."""
+    each row's sums of every product in registers (padded to whole vectors); prefetches
+    its shares of the rows ``ahead`` groups on, from share ``share0``."""
     f32 = "float32"
     V = _padded(width) // LANES
-    KP = K // 2
-    KS = min(MM_SHARE_K // 2, KP)
     acc = [_scratch((V * LANES,)) for _ in range(R)]
     for r in range(R):
         _features(V * LANES, lambda j, r=r: T.buffer_store(acc[r], tirx.const(0.0, f32), [j]))
+    reads = [(q.x, q.K) for q in products] + [(out, M, True)]
 
-    def k_step(kp):
+    def k_step(q, kp):
         for r in range(R):
             i = tirx.min(g * R + r, n - 1)
             for v in range(V):
                 T.evaluate(tirx.call_extern(
                     "void", DOT, tirx.address_of(acc[r][v * LANES]),
-                    tirx.address_of(xb[i * K + 2 * kp]),
-                    tirx.address_of(wpb[(kp * MP + c0 + v * LANES) * 2])))
-    with T.serial(0, KP // KS) as s:  # the rows ahead, a share every KS pairs
-        _prefetch_share([(x, K), (out, M, True)], (g + ahead) * R, R, n, share0 + s, shares)
-        with T.serial(0, KS) as k:
-            k_step(s * KS + k)
-    if KP % KS:
-        with T.serial(KP - KP % KS, KP) as kp:
-            k_step(kp)
+                    tirx.address_of(q.xb[i * q.K + 2 * kp]),
+                    tirx.address_of(q.wpb[(kp * MP + c0 + v * LANES) * 2])))
+    for q in products:
+        KP, KS = q.K // 2, q.KS
+        with T.serial(0, q.shares) as s:  # the rows ahead, a share every KS pairs
+            _prefetch_share(reads, (g + ahead) * R, R, n, share0 + s, shares)
+            with T.serial(0, KS) as k:
+                k_step(q, s * KS + k)
+        if KP % KS:
+            with T.serial(KP - KP % KS, KP) as kp:
+                k_step(q, kp)
+        share0 = share0 + q.shares
     for r in range(R):
         i = g * R + r
         with _if(i < n):

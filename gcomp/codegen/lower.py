@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from math import prod
 
-from gcomp.codegen.kernels import KernelSpec
+from gcomp.codegen.kernels import KernelSpec, target_definition
 from gcomp.codegen.scatter_kernel import additive
 from gcomp.errors import CompileError
 from gcomp.ir.graph import Graph, Node
@@ -78,9 +78,10 @@ def _node_inputs_of(v: Node) -> list[str]:
 
 class _Lowering:
     def __init__(self, graph: Graph, formats: tuple = (), scatter: bool = False,
-                 gpu: bool = False):
+                 gpu: bool = False, target: dict | None = None):
         self.graph = graph
         self.gpu = gpu
+        self.target = target
         self.plan = Plan()
         self.specs: dict[str, KernelSpec] = {}
         self.formats = tuple(formats)
@@ -303,6 +304,7 @@ class _Lowering:
         self.buffer(tail)
         if anchor.op in (Op.AGGREGATE, Op.ATTENTION_AGGREGATE, Op.MATMUL):
             chain, extras, kinds, prev = [], [], [], anchor
+            second = self.second_product(anchor, members)
 
             def operand(v: Node):
                 """Index of extra input ``v``, or (op, attrs, operands) for an operand the
@@ -314,7 +316,7 @@ class _Lowering:
                     kinds.append(self._extra_kind(v, tail))
                 return extras.index(v)
             for m in members:
-                if m.meta.get("operand"):
+                if m.meta.get("operand") or m.meta.get("product"):
                     continue
                 if m.op == Op.RESHAPE:
                     prev = m
@@ -323,8 +325,9 @@ class _Lowering:
                     chain.append((m.op.value, _scalar_attrs(m), None, False))
                 else:
                     other = m.inputs[1] if m.inputs[0] is prev else m.inputs[0]
-                    chain.append((m.op.value, _scalar_attrs(m), operand(other),
-                                  m.inputs[0] is other))
+                    if other is not second[0]:  # the second product is in the sums
+                        chain.append((m.op.value, _scalar_attrs(m), operand(other),
+                                      m.inputs[0] is other))
                 prev = m
             ext_args = [self.arg(e, self.flat2(e) if k == "row" else None) for e, k in
                         zip(extras, kinds)]
@@ -337,15 +340,15 @@ class _Lowering:
             else:
                 x, w = anchor.inputs
                 feat = None if anchor.attrs["trans_b"] else self.feature_operand(x)
-                wbuf, K, M, tb = (self.transposed(anchor, w) if anchor.attrs["trans_b"]
-                                  else (w.name, *w.ty.shape, {}))
+                wbuf, K, M, tb = self.weight_operand(anchor)
                 spec = KernelSpec.make("matmul", K=int(K), M=int(M), epilogue=chain, extras=kinds,
-                                       **tb)
-                s = self.step(anchor, spec, [self.arg(x), self.arg(wbuf)] + ext_args
+                                       **tb, **second[1])
+                s = self.step(anchor, spec, [self.arg(x), self.arg(wbuf)] + second[2] + ext_args
                               + [self.arg(tail)], unless=self.variant(feat[0]) if feat else None)
                 # the epilogue reads a row extra at the element it stores, after the sum
                 # (an aggregation's epilogue may not: its output is its accumulator)
-                _in_place(s, [2 + k for k, (e, kind) in enumerate(zip(extras, kinds))
+                first = 2 + len(second[2])
+                _in_place(s, [first + k for k, (e, kind) in enumerate(zip(extras, kinds))
                               if kind == "row" and e.ty == tail.ty])
                 if feat:
                     self.sparse_feature_matmul(anchor, feat[0], feat[1], w, tail, tuple(chain),
@@ -621,6 +624,32 @@ class _Lowering:
         if feat:
             self.sparse_feature_matmul(n, feat[0], feat[1], w, n, agg=feat[2])
 
+    def weight_operand(self, n: Node) -> tuple[str, int, int, dict]:
+        """(buffer, K, M, the spec's extra parameters) of matmul ``n``'s weight."""
+        w = n.inputs[1]
+        return self.transposed(n, w) if n.attrs["trans_b"] else (w.name, *w.ty.shape, {})
+
+    def second_product(self, anchor: Node, members: list[Node]) -> tuple:
+        """(node, spec parameters, its arguments) of the second product summed in
+        ``anchor``'s kernel (``meta["product"]``, passes/fuse_epilogues), or (None, {}, [])
+        when there is none.  Where the target's row-group kernel does not take the two
+        (shapes it leaves to the generic kernel, no target given), the second product runs
+        as its own step and is added by the epilogue as a row extra."""
+        second = next((m for m in members if m.meta.get("product")), None)
+        if second is None:
+            return None, {}, []
+        w = anchor.inputs[1]
+        K = int(w.ty.shape[1] if anchor.attrs["trans_b"] else w.ty.shape[0])
+        w2 = second.inputs[1]
+        K2 = int(w2.ty.shape[1] if second.attrs["trans_b"] else w2.ty.shape[0])
+        M = int(anchor.ty.shape[-1])
+        if (self.target is None or self.gpu or target_definition(
+                KernelSpec.make("matmul", K=K, M=M, K2=K2), self.target) is None):
+            self.lower_matmul(second)
+            return None, {}, []
+        buf = self.weight_operand(second)[0]
+        return second, {"K2": K2}, [self.arg(second.inputs[0]), self.arg(buf)]
+
     def transposed(self, n: Node, w: Node) -> tuple[str, int, int, dict]:
         """The weight operand of ``x @ w.T`` for matmul ``n``: (buffer, K, M of the product,
         the spec's extra parameters).  The GPU's product reads w transposed while it stages
@@ -811,11 +840,12 @@ class _Lowering:
         self.buffer(n, alias=root)
 
 
-def lower(graph: Graph, formats: tuple = (), scatter: bool = False, gpu: bool = False
-          ) -> tuple[Plan, dict[str, KernelSpec]]:
+def lower(graph: Graph, formats: tuple = (), scatter: bool = False, gpu: bool = False,
+          target: dict | None = None) -> tuple[Plan, dict[str, KernelSpec]]:
     """``formats``: the adjacency formats besides CSR the target has kernels for.
     ``scatter`` (CUDA only: atomics): aggregations over out-edges whose epilogue only adds
     scatter over the forward CSR (``csr_scatter``) instead of gathering over the CSC
     arrays, so the transposed graph is never built.  ``gpu``: the plan is CUDA's (its
-    products read a transposed weight as it is; ``transposed``)."""
-    return _Lowering(graph, formats, scatter, gpu).run()
+    products read a transposed weight as it is; ``transposed``).  ``target``: the one
+    compiled for, whose kernels decide what a fused group may hold (``second_product``)."""
+    return _Lowering(graph, formats, scatter, gpu, target).run()

@@ -41,8 +41,9 @@ def _column_sum(n: Node) -> bool:
             and x.dtype == "float32")
 
 
-def _features(x: Node) -> bool:
-    """Node features, their dropout, or values computed from them once per feed."""
+def per_feed(x: Node) -> bool:
+    """Node features, their dropout, or values computed from them once per feed (products
+    of such an x have sparse-feature variants: ``codegen/lower.py``)."""
     if x.op == Op.DROPOUT:
         x = x.inputs[0]
     return x.op == Op.INPUT or x.meta.get("phase") == "feed"
@@ -53,7 +54,7 @@ def _weight_grad(s: Node) -> Node | None:
     dy = s.inputs[0]
     for u in dy.users:
         if (u.op == Op.MATMUL and u.attrs["trans_a"] and not u.attrs["sum_row"]
-                and u.inputs[1] is dy and u.inputs[0] is not dy and not _features(u.inputs[0])
+                and u.inputs[1] is dy and u.inputs[0] is not dy and not per_feed(u.inputs[0])
                 and u.meta.get("phase", "run") == "run" == s.meta.get("phase", "run")
                 and u.ty.dtype == "float32"):
             return u

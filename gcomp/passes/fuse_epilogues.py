@@ -30,6 +30,15 @@ Anchors and what they absorb:
   aggregation over out-edges (whose extras the distributed runtime zeroes on halo rows)
   only a product with a tensor shaped like the result, added, which vanishes there:
   GIN's backward ``A.T dy + (1 + eps) * dy`` (where it gathers).
+  A matmul ``x @ w`` also takes in a second product ``x2 @ w2`` that an ``add`` of its
+  epilogue adds (GraphSAGE's ``lin_l(mean) + lin_r(x)``, a GRU's ``x W_i + h W_h``):
+  the kernel sums both products in the same registers (``meta["product"]`` on the second
+  product), so neither is stored and read back, when the members before the add only
+  add (a bias), the second product is read by that add alone, and neither x is node
+  features or computed from them once per feed (those products have sparse-feature
+  variants).  On CPUs only, and not where bfloat16 products run on AMX tiles
+  (``PassContext.tile_products``): the tile kernel takes one product; lowering runs
+  the two apart where the row-group kernel takes only one (``codegen/lower.py``).
 * any elementwise op (``elementwise_grad`` included): the elementwise ops it reads
   whose value only it uses, of its shape, and theirs in turn: a tree evaluated per
   element in one kernel (autodiff's gradient sums, ``dy + ds_dst * a_dst + ds_src *
@@ -45,6 +54,14 @@ Anchors and what they absorb:
              %r = relu(%b)                 : f32[N,16]
     After:   same values; %a.meta["fused"] = ["b", "r"]: one kernel computes %r
 
+    Before:  %p = matmul(%m, %wl)    : f32[N,32]
+             %b = bias_add(%p, %bl)  : f32[N,32]
+             %q = matmul(%h, %wr)    : f32[N,32]
+             %s = add(%b, %q)        : f32[N,32]
+             %r = relu(%s)           : f32[N,32]
+    After:   same values; %p.meta["fused"] = ["b", "q", "s", "r"], %q.meta["product"]:
+             one kernel computes %r from %m, %wl, %h, %wr and %bl
+
     Before:  %m = mul(%h, %att) : f32[N,4,32]
              %s = sum(%m)       : f32[N,4]
     After:   same values; %m.meta["fused"] = ["s"]: one kernel computes %s
@@ -56,6 +73,7 @@ from math import prod
 
 from gcomp.ir.ops import Op, OpGroup
 from gcomp.ir.types import TensorType
+from gcomp.passes.fuse_bias_grads import per_feed
 from gcomp.passes.manager import Pass
 
 UNARY = OpGroup.Unary
@@ -117,6 +135,20 @@ def _computed_operand(v, user, anchor, gathers: bool) -> bool:
             and not {"fused", "fused_into"} & v.meta.keys()
             and v.meta.get("phase") == user.meta.get("phase")
             and all(_extra_ok(i, user.ty) and _materialized(i) for i in v.inputs))
+
+
+def _second_product(v, user, anchor, members: list) -> bool:
+    """Can matmul ``v``, added by epilogue member ``user``, be summed with ``anchor``'s
+    product in its kernel (see the module docstring)?"""
+    return (anchor.op == Op.MATMUL and not anchor.attrs["trans_a"] and user.op == Op.ADD
+            and all(m.op in (Op.BIAS_ADD, Op.ADD) and not m.meta.get("product")
+                    for m in members)
+            and v.op == Op.MATMUL and not v.attrs["trans_a"] and v.ty == user.ty
+            and len(v.users) == 1 and v not in v.graph.outputs
+            and sum(i is v for i in user.inputs) == 1
+            and not {"fused", "fused_into"} & v.meta.keys()
+            and v.meta.get("phase") == anchor.meta.get("phase")
+            and not per_feed(v.inputs[0]) and not per_feed(anchor.inputs[0]))
 
 
 def _vanishes_on_halo(v, user) -> bool:
@@ -187,15 +219,16 @@ class FuseEpilogues(Pass):
 
     def run(self, graph, ctx) -> bool:
         for n in graph:
-            for key in ("fused", "fused_into", "tail", "operand"):
+            for key in ("fused", "fused_into", "tail", "operand", "product"):
                 n.meta.pop(key, None)
         changed = False
         # out-edge aggregations gather (see the module docstring) unless they scatter
         gathers = ctx is None or not ctx.scatters_out_edges()
+        products = ctx is None or ctx.target != "cuda" and not ctx.tile_products
         for n in graph:  # kernels, with the elementwise ops after them
             if n.op in (Op.AGGREGATE, Op.ATTENTION_AGGREGATE) or (n.op == Op.MATMUL
                                                                   and not n.attrs["trans_a"]):
-                changed |= _group(n, self._epilogue(n, graph, gathers))
+                changed |= _group(n, self._epilogue(n, graph, gathers, products))
         order = {n: k for k, n in enumerate(graph)}
         for t in reversed(graph.nodes):  # elementwise trees, into the op that ends them
             if "fused" in t.meta or "fused_into" in t.meta or not _tree_root(t):
@@ -207,7 +240,7 @@ class FuseEpilogues(Pass):
         return changed
 
     @staticmethod
-    def _epilogue(n, graph, gathers: bool) -> list:
+    def _epilogue(n, graph, gathers: bool, products: bool) -> list:
         members, prev = [], n
         while True:
             u = _sole_user(prev, graph)
@@ -219,6 +252,9 @@ class FuseEpilogues(Pass):
                 other = u.inputs[1] if u.inputs[0] is prev else u.inputs[0]
                 if _computed_operand(other, u, n, gathers):  # evaluated in the epilogue, not stored
                     other.meta["operand"] = True
+                    members.append(other)
+                elif products and _second_product(other, u, n, members):  # summed with n's
+                    other.meta["product"] = True
                     members.append(other)
             members.append(u)
             prev = u
