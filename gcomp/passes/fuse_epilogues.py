@@ -31,14 +31,16 @@ Anchors and what they absorb:
   only a product with a tensor shaped like the result, added, which vanishes there:
   GIN's backward ``A.T dy + (1 + eps) * dy`` (where it gathers).
   A matmul ``x @ w`` also takes in a second product ``x2 @ w2`` that an ``add`` of its
-  epilogue adds (GraphSAGE's ``lin_l(mean) + lin_r(x)``, a GRU's ``x W_i + h W_h``):
+  epilogue adds (GraphSAGE's ``lin_l(mean) + lin_r(x)``; the parts of a concat's
+  product, ``split_concat_products``: GGNN's gate gradients times the GRU weights):
   the kernel sums both products in the same registers (``meta["product"]`` on the second
   product), so neither is stored and read back, when the members before the add only
   add (a bias), the second product is read by that add alone, and neither x is node
   features or computed from them once per feed (those products have sparse-feature
   variants).  On CPUs only, and not where bfloat16 products run on AMX tiles
   (``PassContext.tile_products``): the tile kernel takes one product; lowering runs
-  the two apart where the row-group kernel takes only one (``codegen/lower.py``).
+  the two apart where the target's row-group kernel does not take their shapes
+  (``codegen/lower.py``).
 * any elementwise op (``elementwise_grad`` included): the elementwise ops it reads
   whose value only it uses, of its shape, and theirs in turn: a tree evaluated per
   element in one kernel (autodiff's gradient sums, ``dy + ds_dst * a_dst + ds_src *
