@@ -1,5 +1,6 @@
-"""What the two bfloat16 product kernels (``amx_kernels``, ``dot_bf16_kernels``) share:
-the ``matmul`` kernel's arguments and the weight packed into bfloat16 pairs along k.
+"""What the ``matmul`` kernels share: their arguments (the float32 row groups of
+``cpu_kernels``, ``amx_kernels``, ``dot_bf16_kernels``), and the weight packed into
+bfloat16 pairs along k (the two bfloat16 product kernels).
 
 Its own module, importing none of the kernel modules, because ``cpu_kernels`` imports
 both product modules at its end and each imports helpers from ``cpu_kernels``.

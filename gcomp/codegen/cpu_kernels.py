@@ -42,6 +42,7 @@ from gcomp.codegen import epilogue as epi
 from gcomp.codegen.aggregate_kernel import (NEG_INF, _finish, attention_buffers,
                                             drop_factor, finish_attention_stats, leaky,
                                             slope_factor, times)
+from gcomp.codegen.bf16_pairs import product_args
 from gcomp.codegen.dense_kernels import CHUNKS, _lanes, colsum_rows
 from gcomp.codegen.fastmath import fast_exp
 from gcomp.codegen.kernels import arg, bound, definer, stored_bf16
@@ -617,18 +618,7 @@ def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = (),
         with T.prim_func():
             T.func_name("matmul")
             T.func_attr({"tirx.noalias": True})
-            n = tirx.Var("n", "int64")
-            spec = [("x", (n, K), f32), ("w", (K, M), f32)]
-            if K2:
-                spec += [("x2", (n, K2), f32), ("w2", (K2, M), f32)]
-            spec += [(f"e{k}", epi.shape(kind, n, M), f32) for k, kind in enumerate(extras)]
-            spec.append(("out", (n, M), f32))
-            bufs = dict(zip([s[0] for s in spec], _args(spec)))
-            out = bufs["out"]
-            products = [(bufs["x"], bufs["w"], K)]
-            if K2:
-                products.append((bufs["x2"], bufs["w2"], K2))
-            extra = [bufs[f"e{k}"] for k in range(len(extras))]
+            n, products, extra, out = product_args(K, M, extras, K2)
             ahead = max(1, MM_AHEAD_BYTES // (R * (K + K2) * 4))  # groups
             steps = [Kp // min(MM_SHARE_K, Kp) for _, _, Kp in products]  # shares per tile
             shares = (M // TM) * sum(steps)

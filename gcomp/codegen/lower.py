@@ -44,6 +44,12 @@ def _in_place(step: dict, args: list[int]) -> None:
         step["in_place"] = args
 
 
+def _contraction(n: Node) -> int:
+    """K of matmul ``n`` (``x @ w`` or ``x @ w.T``): the length of its sums."""
+    w = n.inputs[1]
+    return int(w.ty.shape[1] if n.attrs["trans_b"] else w.ty.shape[0])
+
+
 def _remapped_leaves(expr) -> set[int]:
     """Leaves of an elementwise tree read at another index than the output's (under a
     slice or a reshape)."""
@@ -638,11 +644,7 @@ class _Lowering:
         second = next((m for m in members if m.meta.get("product")), None)
         if second is None:
             return None, {}, []
-        w = anchor.inputs[1]
-        K = int(w.ty.shape[1] if anchor.attrs["trans_b"] else w.ty.shape[0])
-        w2 = second.inputs[1]
-        K2 = int(w2.ty.shape[1] if second.attrs["trans_b"] else w2.ty.shape[0])
-        M = int(anchor.ty.shape[-1])
+        K, K2, M = _contraction(anchor), _contraction(second), int(anchor.ty.shape[-1])
         if (self.target is None or self.gpu or target_definition(
                 KernelSpec.make("matmul", K=K, M=M, K2=K2), self.target) is None):
             self.lower_matmul(second)
