@@ -32,7 +32,8 @@ Measured (AMD EPYC Zen 4, arxiv-size rows, 2 threads, interleaved calls after 25
 other writes; float32 kernel / bfloat16 widened to float32 / these): x @ W 128 -> 32 6.3 /
 6.4 / 3.4 ms, 32 -> 32 1.6 / 1.8 / 1.0, 32 -> 40 2.0 / 2.6 / 1.4, 128 -> 128 26.4 / 25.2 /
 12.7; x.T @ dY 128 x 32 6.9 / 7.1 / 3.7-3.9, 32 x 32 1.9 / 1.9 / 1.0, 32 x 40 2.1 / 3.0
-/ 1.6-1.9, 128 x 128 24.5 / 26.7 / 13.6.
+/ 1.6-1.9 (1.45 since its tiles hold 4 rows: ``TN_ACCUMULATORS``), 128 x 128 24.5 / 26.7
+/ 13.6.
 """
 
 from __future__ import annotations
@@ -50,6 +51,12 @@ from gcomp.codegen.kernels import arg
 LANES = 16       # float32 sums per instruction
 TILE = 64        # columns of sums a group of rows keeps in registers at a time
 ACCUMULATORS = 24  # of the 32 vector registers, for sums (the rest: weights, x pairs)
+# at most this many in a weight gradient's tile: 8 rows x 3 vectors (24) ran its products
+# well under those of 4 x 3 (AMD EPYC Zen 4, arxiv-size rows, 2 threads, interleaved cold
+# calls: x.T @ dY 32 x 40 1.84-1.87 -> 1.46-1.47 ms, with the bias row 2.00 -> 1.50; 64 x
+# 48 2.90 -> 2.76; 128 x 40 unchanged), while 8 x 2 (32 x 32: 1.04, 4 x 2 1.11) and 8 x 1
+# stay; as the float32 kernel's tiles (``cpu_kernels._TN_TILES``)
+TN_ACCUMULATORS = 16
 CHUNKS = 16      # row ranges in parallel (>= threads, for balance)
 DOT = "gcomp_dpbf16"  # the imported function, and how a kernel is recognized as using it
 
@@ -294,7 +301,8 @@ def matmul_tn_dot(K: int, M: int, chunks: int, sum_row: bool):
     f32, u16 = "float32", "uint16"
     MP = _padded(M)
     col_tiles = _tiles(M, TILE)
-    TA = next(t for t in (8, 4, 2, 1) if t * _padded(col_tiles[0][2]) <= ACCUMULATORS * LANES)
+    TA = next(t for t in (8, 4, 2, 1)
+              if t * _padded(col_tiles[0][2]) <= TN_ACCUMULATORS * LANES)
     row_tiles = _tiles(K, TA) + ([(K, 1, 1)] if sum_row else [])
     tiles = [(r, c) for r in row_tiles for c in col_tiles]
     shares = sum(r[1] * c[1] for r, c in tiles)
