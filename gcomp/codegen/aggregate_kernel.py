@@ -60,7 +60,8 @@ def _finish(reduce: str, acc, deg):
     The mean multiplies by the degree's reciprocal, one scalar division per row, where
     dividing each value put vector divisions between the row's sums and its store (CPU,
     32-wide bfloat16 rows of arxiv-synth, AMD EPYC Zen 4, interleaved: 2.44 -> 2.16 ms and
-    2.91 -> 2.57; float32 3.52 -> 3.36); within a rounding of the quotient."""
+    2.91 -> 2.57; float32 3.52 -> 3.36; inside a GraphSAGE step, whose aggregations read
+    rows just written, no difference showed); within a rounding of the quotient."""
     if reduce == "mean":
         return acc * (tirx.const(1.0, "float32")
                       / tirx.Cast("float32", tirx.max(deg, tirx.const(1, "int64"))))
