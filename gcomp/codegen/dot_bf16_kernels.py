@@ -51,11 +51,12 @@ from gcomp.codegen.kernels import arg
 LANES = 16       # float32 sums per instruction
 TILE = 64        # columns of sums a group of rows keeps in registers at a time
 ACCUMULATORS = 24  # of the 32 vector registers, for sums (the rest: weights, x pairs)
-# at most this many in a weight gradient's tile: 8 rows x 3 vectors (24) ran its products
-# well under those of 4 x 3 (AMD EPYC Zen 4, arxiv-size rows, 2 threads, interleaved cold
-# calls: x.T @ dY 32 x 40 1.84-1.87 -> 1.46-1.47 ms, with the bias row 2.00 -> 1.50; 64 x
-# 48 2.90 -> 2.76; 128 x 40 unchanged), while 8 x 2 (32 x 32: 1.04, 4 x 2 1.11) and 8 x 1
-# stay; as the float32 kernel's tiles (``cpu_kernels._TN_TILES``)
+# at most this many in a weight gradient's tile: tiles of 8 rows x 3 vectors (24 sums)
+# were slower than 4 x 3 although a block is then read twice as often (AMD EPYC Zen 4,
+# arxiv-size rows, 2 threads, interleaved cold calls: x.T @ dY 32 x 40 1.84-1.87 -> 1.46-
+# 1.47 ms, with the bias row 2.00 -> 1.50; 64 x 48 2.90 -> 2.76; 128 x 40 unchanged);
+# 8 x 2 (32 x 32: 1.04 ms, 4 x 2 1.11) and 8 x 1 stay.  The float32 kernel's tiles
+# (``cpu_kernels._TN_TILES``) hold 16 too.
 TN_ACCUMULATORS = 16
 CHUNKS = 16      # row ranges in parallel (>= threads, for balance)
 DOT = "gcomp_dpbf16"  # the imported function, and how a kernel is recognized as using it
