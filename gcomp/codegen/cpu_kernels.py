@@ -62,6 +62,18 @@ PREFETCH_LINES = 8      # cache lines prefetched per row (longer rows: the strea
 VEC = 16                # floats per vector chunk
 MM_AHEAD_BYTES = 2048   # how far ahead (bytes of x) the row-group matmul prefetches
 MM_SHARE_K = 8          # k steps of the row-group matmul between two shares of prefetches
+# locality of a product's input rows as the row groups prefetch them (and the dot-product
+# kernel's, ``dot_bf16_kernels``): 0, non-temporal, so that rows read once do not push out
+# of the last-level cache the rows written just before, which the next kernel (an
+# aggregation gathering them, the backward's next product) reads again.  AMD EPYC Zen 4,
+# arxiv-synth training steps, saved artifacts of both compiles interleaved in a process,
+# medians of 21-25: bf16 GraphSAGE 41.4 -> 40.6 ms (faster in 21 of 25 rounds; its
+# aggregations 0.1-0.3 ms each faster, the products unchanged), GCN 28.6 -> 28.1 (20/25),
+# GIN 43.5 -> 42.9 (18/25); float32 GraphSAGE 69.5 -> 66.6 (17/21), GCN 45.4 -> 44.8
+# (16/21); losses bitwise equal.  The weight gradients' reads stay at 3: non-temporal
+# there too, the bf16 GraphSAGE step lost the gain (43.7 vs 43.6).  Only the ``default``
+# tuning (AMD's AVX-512 cores) was measured; the others keep 3.
+MM_INPUT_LOCALITY = {"default": 0}
 # rows per block of the weight-gradient product (x and y rows in L1).  AMD EPYC Zen 3,
 # arxiv-size rows, 2 threads, interleaved, with the next block's prefetches spread over
 # the tiles: 32 x 32 3.2 ms at 32 rows (3.5 at 64, 4.4 at 128), 40 x 32 4.9 (5.3, 5.4),
@@ -201,15 +213,17 @@ def _prefetch(x, row, width: int, locality: int = 3) -> None:
 def _prefetch_share(arrays, first, rows: int, n, share, shares: int,
                     locality: int = 3) -> None:
     """Prefetch part ``share`` of ``shares`` of the lines of rows ``first .. first + rows -
-    1`` of each (array, width[, write]) in ``arrays`` (rows past ``n - 1`` clamp to it;
-    ``write``: for writing; ``locality`` as ``_prefetch_line``'s).  Called once per share
+    1`` of each (array, width[, write[, locality]]) in ``arrays`` (rows past ``n - 1``
+    clamp to it; ``write``: for writing; ``locality`` as ``_prefetch_line``'s, the
+    array's own or the argument's).  Called once per share
     while the work before those rows runs, it spreads their prefetches over that work:
     all of a block's lines asked for at once overran the core's queue of outstanding
     misses and most were dropped (the weight gradient 128 x 32 on arxiv-size rows, AMD
     EPYC Zen 3: 21.1 -> 11.7 ms; 32 x 32 5.1 -> 3.2; the row-group matmul below on the
     Intel Xeon)."""
-    per_row = [(a[0], -(-a[1] // _per_line(a[0])), len(a) > 2 and a[2]) for a in arrays]
-    row_lines = sum(lines for _, lines, _ in per_row)
+    per_row = [(a[0], -(-a[1] // _per_line(a[0])), len(a) > 2 and a[2],
+                a[3] if len(a) > 3 else locality) for a in arrays]
+    row_lines = sum(lines for _, lines, _, _ in per_row)
     each = -(-rows * row_lines // shares)
     with T.serial(0, each) as u:
         line = share * each + u
@@ -217,9 +231,9 @@ def _prefetch_share(arrays, first, rows: int, n, share, shares: int,
         q = line % row_lines
         with _if(line < rows * row_lines):
             start = 0
-            for a, lines, write in per_row:
+            for a, lines, write, loc in per_row:
                 with _if(tirx.all(start <= q, q < start + lines)):
-                    _prefetch_line(a, row, (q - start) * _per_line(a), write, locality)
+                    _prefetch_line(a, row, (q - start) * _per_line(a), write, loc)
                 start += lines
 
 
@@ -586,15 +600,16 @@ def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = (),
     loaded serves R rows of x, whose sums stay in registers (the row-at-a-time schedule
     loads a row of w per multiply-add).  Rows past n in the last group repeat row n - 1
     and are not stored.  The rows of the group ``MM_AHEAD_BYTES`` ahead (in x) are
-    prefetched, x's to read and the output's to write (a group stores its rows in a burst
-    after its sums, and each store missed waiting for its line), a share of their lines
-    every ``MM_SHARE_K`` steps of k (``_prefetch_share``).  Asked for all at once before a
-    group's sums, 8 KB ahead, they were partly dropped: arxiv-size rows, Intel Xeon, 2
-    threads, 15 interleaved calls each after 256 MB of other writes, 128 -> 32 7.2 -> 5.8
-    ms (read back to back 6.1 -> 4.4, MKL's GEMM rate), 128 -> 128 24.0 -> 17.5, 128 ->
-    384 66 -> 50, 32 -> 32 2.2 -> 2.1, 32 -> 40 and 40 -> 32 4% less; no prefetches: 10.2
-    for 128 -> 32.  Training steps there took as long as before (a step's inputs stay in
-    that VM's 480 MB L3).  Prefetching no output line took 32 -> 32 2.7 -> 1.9 ms before.
+    prefetched, x's to read (``MM_INPUT_LOCALITY``) and the output's to write (a group
+    stores its rows in a burst after its sums, and each store missed waiting for its
+    line), a share of their lines every ``MM_SHARE_K`` steps of k (``_prefetch_share``).
+    Asked for all at once before a group's sums, 8 KB ahead, they were partly dropped:
+    arxiv-size rows, Intel Xeon, 2 threads, 15 interleaved calls each after 256 MB of
+    other writes, 128 -> 32 7.2 -> 5.8 ms (read back to back 6.1 -> 4.4, MKL's GEMM rate),
+    128 -> 128 24.0 -> 17.5, 128 -> 384 66 -> 50, 32 -> 32 2.2 -> 2.1, 32 -> 40 and 40 ->
+    32 4% less; no prefetches: 10.2 for 128 -> 32.  Training steps there took as long as
+    before (a step's inputs stay in that VM's 480 MB L3).  Prefetching no output line took
+    32 -> 32 2.7 -> 1.9 ms before.
     None (the generic kernel, scheduled) where that is faster.  With x stored as bfloat16
     on a CPU with AMX tiles: the tile kernel (``amx_kernels.py``), on one with AVX-512
     BF16 but no tiles the dot-product kernel (``dot_bf16_kernels.py``); both name their
@@ -611,7 +626,8 @@ def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = (),
         return amx_kernels.matmul_amx(K, M, epilogue, extras)
     if (dot_bf16 and stored_bf16("x") and dot_bf16_kernels.supported(K, M)
             and (not K2 or stored_bf16("x2") and dot_bf16_kernels.supported(K2, M))):
-        return dot_bf16_kernels.matmul_dot(K, M, epilogue, extras, K2)
+        return dot_bf16_kernels.matmul_dot(K, M, epilogue, extras, K2,
+                                           MM_INPUT_LOCALITY.get(tuning, 3))
     TM = _matmul_cols(M, tuning)
     f32 = "float32"
     with IRBuilder() as ib:
@@ -622,7 +638,8 @@ def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = (),
             ahead = max(1, MM_AHEAD_BYTES // (R * (K + K2) * 4))  # groups
             steps = [Kp // min(MM_SHARE_K, Kp) for _, _, Kp in products]  # shares per tile
             shares = (M // TM) * sum(steps)
-            reads = [(x, Kp) for x, _, Kp in products]
+            loc = MM_INPUT_LOCALITY.get(tuning, 3)
+            reads = [(x, Kp, False, loc) for x, _, Kp in products]
             with T.parallel(0, (n + R - 1) // R) as g:
                 acc = [_scratch((TM,)) for _ in range(R)]
 

@@ -121,9 +121,11 @@ def _padded(width: int) -> int:
     return -(-width // LANES) * LANES
 
 
-def matmul_dot(K: int, M: int, epilogue: tuple, extras: tuple, K2: int = 0):
+def matmul_dot(K: int, M: int, epilogue: tuple, extras: tuple, K2: int = 0,
+               locality: int = 3):
     """out = epilogue(x @ w [+ x2 @ w2]), x (and x2) stored as bfloat16 (see the module
-    docstring; ``K2`` as ``cpu_kernels.matmul``'s).  A group multiplies 8 rows at a time,
+    docstring; ``K2`` as ``cpu_kernels.matmul``'s; ``locality``: of x's prefetched rows,
+    ``cpu_kernels.MM_INPUT_LOCALITY``).  A group multiplies 8 rows at a time,
     4 when a tile has 64 columns (AMD EPYC Zen 4, arxiv-size rows, 2 threads,
     interleaved: 32 -> 128 9.3 ms with 2 rows, 3.7 with 4, 3.9 with 6, 4.7 with 8; 128 ->
     32 4.7, 3.5, 3.4, 3.4; 32 -> 40 1.43 with 4, 1.35 with 8; 32 -> 16 1.56 with 4, 0.73
@@ -158,7 +160,8 @@ def matmul_dot(K: int, M: int, epilogue: tuple, extras: tuple, K2: int = 0):
                             with T.serial(0, count) as t:
                                 _row_group(products, out, extra, extras, epilogue, n, g, R, M,
                                            MP, first + t * width, width,
-                                           (first // TILE + t) * per_tile, shares, ahead)
+                                           (first // TILE + t) * per_tile, shares, ahead,
+                                           locality)
     return ib.get()
 
 
@@ -172,7 +175,7 @@ class _Product:
 
 
 def _row_group(products, out, extra, extras, epilogue, n, g, R: int, M: int, MP: int, c0,
-               width: int, share0, shares: int, ahead: int) -> None:
+               width: int, share0, shares: int, ahead: int, locality: int) -> None:
     """Rows g * R .. g * R + R - 1 of ``matmul_dot``'s output, columns c0 .. c0 + width - 1,
     each row's sums of every product in registers (padded to whole vectors); prefetches
     its shares of the rows ``ahead`` groups on, from share ``share0``."""
@@ -181,7 +184,7 @@ def _row_group(products, out, extra, extras, epilogue, n, g, R: int, M: int, MP:
     acc = [_scratch((V * LANES,)) for _ in range(R)]
     for r in range(R):
         _features(V * LANES, lambda j, r=r: T.buffer_store(acc[r], tirx.const(0.0, f32), [j]))
-    reads = [(q.x, q.K) for q in products] + [(out, M, True)]
+    reads = [(q.x, q.K, False, locality) for q in products] + [(out, M, True)]
 
     def k_step(q, kp):
         for r in range(R):
