@@ -70,9 +70,10 @@ MM_SHARE_K = 8          # k steps of the row-group matmul between two shares of 
 # medians of 21-25: bf16 GraphSAGE 41.4 -> 40.6 ms (faster in 21 of 25 rounds; its
 # aggregations 0.1-0.3 ms each faster, the products unchanged), GCN 28.6 -> 28.1 (20/25),
 # GIN 43.5 -> 42.9 (18/25); float32 GraphSAGE 69.5 -> 66.6 (17/21), GCN 45.4 -> 44.8
-# (16/21); losses bitwise equal.  The weight gradients' reads stay at 3: non-temporal
-# there too, the bf16 GraphSAGE step lost the gain (43.7 vs 43.6).  Only the ``default``
-# tuning (AMD's AVX-512 cores) was measured; the others keep 3.
+# (16/21); losses bitwise equal.  Again 41 rounds later, the VM noisier: GraphSAGE 42.6
+# -> 41.7 (31/41), GCN 28.7 -> 28.6 (26/41).  The weight gradients' reads stay at 3:
+# non-temporal there too, the bf16 GraphSAGE step lost the gain (43.7 vs 43.6).  Only the
+# ``default`` tuning (AMD's AVX-512 cores) was measured; the others keep 3.
 MM_INPUT_LOCALITY = {"default": 0}
 # rows per block of the weight-gradient product (x and y rows in L1).  AMD EPYC Zen 3,
 # arxiv-size rows, 2 threads, interleaved, with the next block's prefetches spread over
