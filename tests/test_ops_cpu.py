@@ -493,7 +493,7 @@ def test_cross_entropy_of_bfloat16_logits(C):
     assert np.abs(lse_out.numpy()[valid] - lse[valid]).max() <= 1e-5 * np.abs(lse).max()
 
 
-@pytest.mark.parametrize("C", [40, 23])
+@pytest.mark.parametrize("C", [40, 23, 24, 7])
 def test_fused_cross_entropy_of_bfloat16_logits_in_place(C):
     """The fused loss and gradient with logits and gradient stored as bfloat16, the
     gradient written over the logits (as the memory plan may have it): the row's
@@ -530,6 +530,43 @@ def test_fused_cross_entropy_of_bfloat16_logits_in_place(C):
         # one rounding to bfloat16 (8 significant bits) per value, and float32 arithmetic
         assert (np.abs(got - g) <= 2.0 ** -8 * np.abs(g) + 1e-6 * np.abs(g).max()).all()
         assert (got[~valid] == 0).all()
+
+
+@pytest.mark.parametrize("C", [40, 24, 7])
+def test_fused_loss_rounds_as_tvm_does_with_the_conversion_instruction(C):
+    """On a CPU with AVX-512 BF16 the fused loss rounds its bfloat16 gradient with the
+    CPU's conversion (``dot_bf16_kernels.store_rounded``: 16, then 8 values a call, the
+    rest by TVM); its bits equal those of TVM's own rounding, the kernel built without it."""
+    import tvm
+    import tvm_ffi
+    from gcomp.codegen import cpu_kernels
+    from gcomp.codegen.build import make_target
+    from gcomp.codegen.kernels import _stored_bf16, has_dot_bf16
+    target = make_target("llvm")
+    if not has_dot_bf16(target):
+        pytest.skip("this CPU has no AVX-512 BF16 conversion")
+    fns = {}
+    for rounds in (False, True):
+        with _stored_bf16(("z", "out")):
+            f = cpu_kernels.cross_entropy_fused(C=C, dot_bf16=rounds)
+        name = f"ce_{int(rounds)}"
+        fns[rounds] = tvm.compile(tvm.IRModule({name: f.with_attr("global_symbol", name)}),
+                                  target=tvm.target.Target(target))[name]
+    rng = np.random.default_rng(C)
+    n = cpu_kernels.CE_PARALLEL // C + 77
+    z = (4 * rng.standard_normal((n, C))).astype(np.float32)
+    y = rng.integers(-1, C, n).astype(np.int32)
+    m = (rng.random(n) < 0.6).astype(np.float32)
+    T = tvm.runtime.tensor
+    out = {}
+    for rounds, fn in fns.items():
+        bits = bf16_bits(z)
+        both = tvm_ffi.from_dlpack(bits)._create_view((n, C), "bfloat16")
+        loss = T(np.zeros((), np.float32))
+        fn(T(np.array(2.0, np.float32)), both, T(y), T(m), loss, both)
+        out[rounds] = (float(loss.numpy()), bits)
+    assert out[True][0] == out[False][0]
+    assert np.array_equal(out[True][1], out[False][1])
 
 
 @pytest.mark.parametrize("kind,K,M,sum_row", [("matmul", 32, 32, False), ("matmul", 16, 7, False),

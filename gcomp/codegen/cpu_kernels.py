@@ -1100,7 +1100,7 @@ def cross_entropy_grad(C: int):
 
 
 @definer("cross_entropy_fused", target="llvm")
-def cross_entropy_fused(C: int):
+def cross_entropy_fused(C: int, dot_bf16: bool = False):
     """The masked mean cross-entropy and its gradient dz = dy * (softmax(z) - onehot(y)) *
     m / sum(m) in one pass over the logits (``passes/fuse_loss_grad.py``): each counted
     row's max, then its exponentials, kept in a local row as they are summed
@@ -1114,9 +1114,12 @@ def cross_entropy_fused(C: int):
     gradient may be written over the logits (lowering offers them in place) although LLVM
     is told the arguments do not alias, so a row is read whole, its label's logit
     included, before anything is written to it (a version that kept the exponentials in
-    the gradient's row and read the label's logit later got it overwritten)."""
+    the gradient's row and read the label's logit later got it overwritten).  On a CPU
+    with AVX-512 BF16 (``dot_bf16``) the kept row is scaled in place and rounded by the
+    CPU's conversion instruction (``dot_bf16_kernels.store_rounded``)."""
     f32 = "float32"
     keep = C <= KEEP_CLASSES
+    rounds = dot_bf16 and keep and stored_bf16("out")
     with IRBuilder() as ib:
         with T.prim_func():
             T.func_name("cross_entropy_fused")
@@ -1146,15 +1149,25 @@ def cross_entropy_fused(C: int):
                         elif stored_bf16("out"):  # rounded once: the label's s first
                             r = T.Bind(s / sm)
                             label = T.Bind(y[i])
-                            _features(C, lambda c: T.buffer_store(out, e[c] * r - tirx.Select(
-                                c == label, s, s * 0), [i, c]))
+
+                            def grad(c):
+                                return e[c] * r - tirx.Select(c == label, s, s * 0)
+                            if rounds:
+                                _features(C, lambda c: T.buffer_store(e, grad(c), [c]))
+                                dot_bf16_kernels.store_rounded(out, i, e, C)
+                            else:
+                                _features(C, lambda c: T.buffer_store(out, grad(c), [i, c]))
                         else:
                             r = T.Bind(s / sm)
                             _features(C, lambda c: T.buffer_store(out, e[c] * r, [i, c]))
                             T.buffer_store(out, out[i, y[i]] - s, [i, y[i]])
                     with T.Else():
                         _zero_row(out, i, C)
-            _rows_in_parts(n, C, row)
+            if rounds:
+                with dot_bf16_kernels.importing_round():
+                    _rows_in_parts(n, C, row)
+            else:
+                _rows_in_parts(n, C, row)
             total = T.alloc_buffer((1,), f32)
             T.buffer_store(total, tirx.const(0.0, f32), [0])
             with T.serial(0, CE_PARTS) as q:
