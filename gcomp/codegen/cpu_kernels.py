@@ -32,7 +32,7 @@ targets keep the generic definitions (``aggregate_kernel.py``,
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
@@ -253,7 +253,7 @@ def _args(spec):
 
 @definer("csr_agg", target="llvm")
 def csr_agg(reduce: str, H: int, C: int, weight: str, indirect: bool = False,
-            epilogue: tuple = (), extras: tuple = ()):
+            epilogue: tuple = (), extras: tuple = (), dot_bf16: bool = False):
     F = H * C
     WH = H if weight == "head" else 1
     f32 = "float32"
@@ -276,7 +276,9 @@ def csr_agg(reduce: str, H: int, C: int, weight: str, indirect: bool = False,
             w, eid = bufs.get("w"), bufs.get("eid")
             extra = [bufs[f"e{k}"] for k in range(len(extras))]
             init = tirx.const(NEG_INF if reduce == "max" else 0.0, f32)
-            with _balanced_rows(indptr, n) as i:
+            rounds = dot_bf16 and stored_bf16("out")
+            with (dot_bf16_kernels.importing_round() if rounds else nullcontext()), \
+                    _balanced_rows(indptr, n) as i:
                 acc, at = _row_sums(out, i, F)
                 _features(F, lambda f: T.buffer_store(acc, init, at(f)))
                 with T.serial(indptr[i], indptr[i + 1]) as j:
@@ -300,11 +302,13 @@ def csr_agg(reduce: str, H: int, C: int, weight: str, indirect: bool = False,
 
                 def finish(f):
                     res = _finish(reduce, acc[at(f)], deg)
-                    res = epi.apply(epilogue, res,
-                                    lambda k: extra[k][epi.index(extras[k], i, f)])
-                    T.buffer_store(out, res, [i, f])
-                if reduce != "sum" or epilogue or acc is not out:
-                    _features(F, finish)
+                    return epi.apply(epilogue, res,
+                                     lambda k: extra[k][epi.index(extras[k], i, f)])
+                if rounds:  # the row finished in its float32 sums, rounded by the CPU
+                    _features(F, lambda f: T.buffer_store(acc, finish(f), at(f)))
+                    dot_bf16_kernels.store_rounded(out, i, acc, F)
+                elif reduce != "sum" or epilogue or acc is not out:
+                    _features(F, lambda f: T.buffer_store(out, finish(f), [i, f]))
     return ib.get()
 
 

@@ -14,7 +14,8 @@ TVM's ``pragma_import_llvm``) that take pointers, convert the types LLVM-side an
 always inlined: a kernel calls ``DOT`` by name (``call_extern``) on the addresses of a
 row's sums, an x pair and a packed weight vector, and after inlining the sums stay in
 registers (one ``vbroadcastss`` of the x pair per row, one ``vdpbf16ps`` per 16
-columns); ``PAIR`` functions interleave two rows into pairs for the weight gradient.
+columns); ``PAIR`` functions interleave two rows into pairs for the weight gradient;
+``ROUND`` functions round float32 sums to a bfloat16 output (``store_rounded``).
 
 ``matmul_dot``: out = epilogue(x @ w) with x stored as bfloat16 (the same arguments as
 ``cpu_kernels.matmul``).  The weight is rounded to bfloat16 (as on AMX tiles and under
@@ -48,7 +49,7 @@ from gcomp.codegen import epilogue as epi
 from gcomp.codegen.cpu_kernels import (MM_AHEAD_BYTES, MM_SHARE_K, _features, _if,
                                        _prefetch_share, _row_range, _scratch)
 from gcomp.codegen.bf16_pairs import pack_weight_pairs, product_args
-from gcomp.codegen.kernels import arg
+from gcomp.codegen.kernels import arg, stored_bf16
 
 LANES = 16       # float32 sums per instruction
 TILE = 64        # columns of sums a group of rows keeps in registers at a time
@@ -117,27 +118,31 @@ def importing_round():
         yield
 
 
-def store_rounded(out, i, src, C: int) -> None:
-    """out[i, 0:C] = src[0:C] (a float32 scratch) rounded to bfloat16 by the CPU's
+def store_rounded(out, i, src, C: int, c0: int | tirx.PrimExpr = 0) -> None:
+    """out[i, c0:c0 + C] = src[0:C] (a float32 scratch) rounded to bfloat16 by the CPU's
     conversion instruction, 16 and then 8 values at a time, a last few by TVM's rounding;
     inside ``importing_round``.  Round to nearest even, as TVM's; values below float32's
-    normal range (under 1.2e-38 in magnitude) may become zero.  The fused loss's bfloat16
-    gradient (40 classes, arxiv-size rows, AMD EPYC Zen 4, interleaved, the kernel alone):
-    3.18 -> 2.89 ms with every row counted, 2.39-2.40 -> 2.22-2.23 with 60%; inside
-    GraphSAGE's bf16 step (60% of rows counted; 31 rounds) 2.49 -> 2.23 ms; bits equal."""
+    normal range (under 1.2e-38 in magnitude) may become zero.  Used by the products here,
+    the aggregations (``cpu_kernels.csr_agg``) and the fused loss on these CPUs.  AMD EPYC
+    Zen 4, arxiv-synth: the loss's bfloat16 gradient (40 classes, the kernel alone,
+    interleaved) 3.18 -> 2.89 ms with every row counted, 2.39-2.40 -> 2.22-2.23 with 60%;
+    per-kernel medians of bf16 training steps, saved artifacts interleaved (25-31
+    rounds): the loss 2.49 -> 2.23 ms, each product 0.10-0.17 ms faster (128 -> 32 3.33
+    -> 3.19, 32 -> 32 1.01 -> 0.89), each 32-wide aggregation up to 0.2 ms; GraphSAGE's
+    steps 41.8 -> 40.7 ms; losses bitwise equal."""
     raw = T.decl_buffer(out.shape, "uint16", data=out.data)
 
     def call(width: int, c):
-        T.evaluate(tirx.call_extern("void", f"{ROUND}{width}", tirx.address_of(raw[i, c]),
-                                    tirx.address_of(src[c])))
+        T.evaluate(tirx.call_extern("void", f"{ROUND}{width}",
+                                    tirx.address_of(raw[i, c0 + c]), tirx.address_of(src[c])))
     with T.serial(0, C // 16) as k:
         call(16, k * 16)
-    c0 = C - C % 16
-    if C - c0 >= 8:
-        call(8, c0)
-        c0 += 8
-    for c in range(c0, C):
-        T.buffer_store(out, src[c], [i, c])
+    done = C - C % 16
+    if C - done >= 8:
+        call(8, done)
+        done += 8
+    for c in range(done, C):
+        T.buffer_store(out, src[c], [i, c0 + c])
 
 
 def supported(K: int, M: int) -> bool:
@@ -185,7 +190,8 @@ def matmul_dot(K: int, M: int, epilogue: tuple, extras: tuple, K2: int = 0,
             T.func_attr({"tirx.noalias": True})
             n, args, extra, out = product_args(K, M, extras, K2)
             groups = T.Bind((n + R - 1) // R)
-            with T.attr(tirx.const(0, "int32"), "pragma_import_llvm", ir.StringImm(DOT_LL)):
+            imports = DOT_LL + (ROUND_LL if stored_bf16("out") else "")
+            with T.attr(tirx.const(0, "int32"), "pragma_import_llvm", ir.StringImm(imports)):
                 with T.parallel(0, CHUNKS) as p:
                     products = []
                     for x, w, Kp in args:
@@ -251,12 +257,15 @@ def _row_group(products, out, extra, extras, epilogue, n, g, R: int, M: int, MP:
     for r in range(R):
         i = g * R + r
         with _if(i < n):
-            def store(j, r=r, i=i):
-                c = c0 + j
-                res = epi.apply(epilogue, acc[r][j],
-                                lambda e: extra[e][epi.index(extras[e], i, c)])
-                T.buffer_store(out, res, [i, c])
-            _features(width, store)
+            def result(j, r=r, i=i):
+                return epi.apply(epilogue, acc[r][j],
+                                 lambda e: extra[e][epi.index(extras[e], i, c0 + j)])
+            if stored_bf16("out"):  # the row finished in its sums, rounded by the CPU
+                _features(width, lambda j, r=r, f=result: T.buffer_store(acc[r], f(j), [j]))
+                store_rounded(out, i, acc[r], width, c0)
+            else:
+                _features(width, lambda j, i=i, f=result: T.buffer_store(out, f(j),
+                                                                         [i, c0 + j]))
 
 
 # ---------------------------------------------------------------- weight gradients

@@ -186,8 +186,10 @@ def target_definition(spec: KernelSpec, target: dict | str):
     A definer with a ``tuning`` parameter gets the target's ``cpu_tuning``, one with an
     ``amx`` parameter whether it ``has_amx``, one with a ``dot_bf16`` parameter whether it
     ``has_dot_bf16``."""
-    kind = target if isinstance(target, str) else target["kind"]
-    fn = _definer_of(spec.kind, kind)
+    if isinstance(target, str):  # a kind: that kind's target for this machine
+        from gcomp.codegen.build import make_target
+        target = make_target(target)
+    fn = _definer_of(spec.kind, target["kind"])
     if fn is None:
         return None
     params = spec.p
