@@ -32,7 +32,7 @@ targets keep the generic definitions (``aggregate_kernel.py``,
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
@@ -277,8 +277,7 @@ def csr_agg(reduce: str, H: int, C: int, weight: str, indirect: bool = False,
             extra = [bufs[f"e{k}"] for k in range(len(extras))]
             init = tirx.const(NEG_INF if reduce == "max" else 0.0, f32)
             rounds = dot_bf16 and stored_bf16("out")
-            with (dot_bf16_kernels.importing_round() if rounds else nullcontext()), \
-                    _balanced_rows(indptr, n) as i:
+            with dot_bf16_kernels.importing_round(rounds), _balanced_rows(indptr, n) as i:
                 acc, at = _row_sums(out, i, F)
                 _features(F, lambda f: T.buffer_store(acc, init, at(f)))
                 with T.serial(indptr[i], indptr[i + 1]) as j:
@@ -305,8 +304,7 @@ def csr_agg(reduce: str, H: int, C: int, weight: str, indirect: bool = False,
                     return epi.apply(epilogue, res,
                                      lambda k: extra[k][epi.index(extras[k], i, f)])
                 if rounds:  # the row finished in its float32 sums, rounded by the CPU
-                    _features(F, lambda f: T.buffer_store(acc, finish(f), at(f)))
-                    dot_bf16_kernels.store_rounded(out, i, acc, F)
+                    dot_bf16_kernels.store_rounded(out, i, acc, F, finish)
                 elif reduce != "sum" or epilogue or acc is not out:
                     _features(F, lambda f: T.buffer_store(out, finish(f), [i, f]))
     return ib.get()
@@ -1157,8 +1155,7 @@ def cross_entropy_fused(C: int, dot_bf16: bool = False):
                             def grad(c):
                                 return e[c] * r - tirx.Select(c == label, s, s * 0)
                             if rounds:
-                                _features(C, lambda c: T.buffer_store(e, grad(c), [c]))
-                                dot_bf16_kernels.store_rounded(out, i, e, C)
+                                dot_bf16_kernels.store_rounded(out, i, e, C, grad)
                             else:
                                 _features(C, lambda c: T.buffer_store(out, grad(c), [i, c]))
                         else:
@@ -1167,10 +1164,7 @@ def cross_entropy_fused(C: int, dot_bf16: bool = False):
                             T.buffer_store(out, out[i, y[i]] - s, [i, y[i]])
                     with T.Else():
                         _zero_row(out, i, C)
-            if rounds:
-                with dot_bf16_kernels.importing_round():
-                    _rows_in_parts(n, C, row)
-            else:
+            with dot_bf16_kernels.importing_round(rounds):
                 _rows_in_parts(n, C, row)
             total = T.alloc_buffer((1,), f32)
             T.buffer_store(total, tirx.const(0.0, f32), [0])

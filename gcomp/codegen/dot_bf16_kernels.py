@@ -112,16 +112,20 @@ define linkonce_odr void @{ROUND}{w}(ptr %dst, ptr %src) alwaysinline {{
 
 
 @contextmanager
-def importing_round():
-    """The body it wraps may call ``store_rounded``."""
+def importing_round(active: bool = True):
+    """The body it wraps may call ``store_rounded`` (nothing imported when not ``active``)."""
+    if not active:
+        yield
+        return
     with T.attr(tirx.const(0, "int32"), "pragma_import_llvm", ir.StringImm(ROUND_LL)):
         yield
 
 
-def store_rounded(out, i, src, C: int, c0: int | tirx.PrimExpr = 0) -> None:
-    """out[i, c0:c0 + C] = src[0:C] (a float32 scratch) rounded to bfloat16 by the CPU's
-    conversion instruction, 16 and then 8 values at a time, a last few by TVM's rounding;
-    inside ``importing_round``.  Round to nearest even, as TVM's; values below float32's
+def store_rounded(out, i, row, C: int, value, c0: int | tirx.PrimExpr = 0) -> None:
+    """out[i, c0 + c] = value(c) for c < C: the values computed into ``row`` (a float32
+    scratch of at least C), then rounded to bfloat16 by the CPU's conversion instruction,
+    16 and then 8 values at a time, a last few by TVM's rounding; inside
+    ``importing_round``.  Round to nearest even, as TVM's; values below float32's
     normal range (under 1.2e-38 in magnitude) may become zero.  Used by the products here,
     the aggregations (``cpu_kernels.csr_agg``) and the fused loss on these CPUs.  AMD EPYC
     Zen 4, arxiv-synth: the loss's bfloat16 gradient (40 classes, the kernel alone,
@@ -130,11 +134,12 @@ def store_rounded(out, i, src, C: int, c0: int | tirx.PrimExpr = 0) -> None:
     rounds): the loss 2.49 -> 2.23 ms, each product 0.10-0.17 ms faster (128 -> 32 3.33
     -> 3.19, 32 -> 32 1.01 -> 0.89), each 32-wide aggregation up to 0.2 ms; GraphSAGE's
     steps 41.8 -> 40.7 ms; losses bitwise equal."""
+    _features(C, lambda c: T.buffer_store(row, value(c), [c]))
     raw = T.decl_buffer(out.shape, "uint16", data=out.data)
 
     def call(width: int, c):
         T.evaluate(tirx.call_extern("void", f"{ROUND}{width}",
-                                    tirx.address_of(raw[i, c0 + c]), tirx.address_of(src[c])))
+                                    tirx.address_of(raw[i, c0 + c]), tirx.address_of(row[c])))
     with T.serial(0, C // 16) as k:
         call(16, k * 16)
     done = C - C % 16
@@ -142,7 +147,7 @@ def store_rounded(out, i, src, C: int, c0: int | tirx.PrimExpr = 0) -> None:
         call(8, done)
         done += 8
     for c in range(done, C):
-        T.buffer_store(out, src[c], [i, c0 + c])
+        T.buffer_store(out, row[c], [i, c0 + c])
 
 
 def supported(K: int, M: int) -> bool:
@@ -261,8 +266,7 @@ def _row_group(products, out, extra, extras, epilogue, n, g, R: int, M: int, MP:
                 return epi.apply(epilogue, acc[r][j],
                                  lambda e: extra[e][epi.index(extras[e], i, c0 + j)])
             if stored_bf16("out"):  # the row finished in its sums, rounded by the CPU
-                _features(width, lambda j, r=r, f=result: T.buffer_store(acc[r], f(j), [j]))
-                store_rounded(out, i, acc[r], width, c0)
+                store_rounded(out, i, acc[r], width, result, c0)
             else:
                 _features(width, lambda j, i=i, f=result: T.buffer_store(out, f(j),
                                                                          [i, c0 + j]))
