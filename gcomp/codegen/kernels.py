@@ -143,7 +143,7 @@ def arg(name: str, shape, dtype: str):
     return buf
 
 
-def cpu_tuning(target: dict | str) -> str:
+def cpu_tuning(target: dict) -> str:
     """Which measured table sizes the register tiles of the CPU definitions: ``avx512`` for
     CPUs that run 512-bit vectors at full width (Intel's AVX-512 cores: 32 registers of 16
     floats, two 512-bit multiply-add units), ``default`` for AMD's AVX-512 cores (Zen 4 and
@@ -152,9 +152,6 @@ def cpu_tuning(target: dict | str) -> str:
     chooses loop structures only; the instructions are LLVM's for the target's ``mcpu``."""
     import tvm
     from tvm.target import codegen
-    if isinstance(target, str):
-        from gcomp.codegen.build import make_target
-        target = make_target(target)
     if target["kind"] != "llvm":
         return "default"
     if not codegen.target_has_features("avx512f", tvm.target.Target(target)):
