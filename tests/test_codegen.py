@@ -57,3 +57,38 @@ def test_kernel_kind_reads_the_symbol_a_spec_names():
     from gcomp.runtime.plan import kernel_kind
     for kind in ("csr_agg", "csr_scatter", "matmul", "matmul_tn", "cross_entropy_grad"):
         assert kernel_kind(KernelSpec.make(kind, F=3, split=True).name) == kind
+
+
+def test_aggregations_stream_only_what_products_read():
+    """``stream_out`` (writing past the caches) marks the CPU aggregations whose output
+    only products read, in row order: all four of GraphSAGE's training step; of GCN's,
+    the two products read, not the two whose rows an aggregation gathers next; a CUDA
+    plan has none."""
+    from gcomp.passes import training_pipeline
+    from gcomp.runtime.plan import kernel_kind
+
+    def aggregations(name, gpu=False):
+        g = training_pipeline()(models.build(name, 128, hidden=32, out_channels=40,
+                                             layers=3).graph.copy())
+        plan, specs = lower(g, gpu=gpu)
+        assert set(plan.kernels()) == set(specs)  # no kernel left without a step
+        root = {b: d.get("alias", b) for b, d in plan.buffers.items()}
+        readers = {}
+        for s in plan.feed_steps + plan.steps:
+            for a in s["args"][:-1]:
+                if "buf" in a:
+                    readers.setdefault(root[a["buf"]], set()).add(kernel_kind(s["kernel"]))
+        return [(bool(specs[s["kernel"]].p.get("stream_out")),
+                 readers.get(root[s["args"][-1]["buf"]], set()), s.get("when"))
+                for s in plan.steps if kernel_kind(s["kernel"]) == "csr_agg"]
+
+    def dense(rows):  # the steps of dense features (not a sparse-feature variant)
+        return [(streamed, kinds) for streamed, kinds, when in rows if when is None]
+
+    assert [s for s, _ in dense(aggregations("sage"))] == [True] * 4
+    gcn = dense(aggregations("gcn"))
+    assert [s for s, _ in gcn] == [False, True, False, True]
+    for streamed, kinds in gcn:
+        assert streamed == (kinds <= {"matmul", "matmul_tn"})
+    assert gcn[0][1] == {"csr_agg"}  # gathered by the next layer's aggregation
+    assert not any(s for s, _, _ in aggregations("gcn", gpu=True))

@@ -630,3 +630,72 @@ def test_row_kernels_keep_their_scratch_on_the_stack(kind, params):
     lib = tvm.compile(tvm.IRModule({spec.name: func}), target=tvm.target.Target(target))
     asm = (lib.mod if hasattr(lib, "mod") else lib).inspect_source("asm")
     assert "TVMBackendAllocWorkspace" not in asm
+
+
+@pytest.mark.parametrize("bf16,reduce,F", [(False, "sum", 32), (False, "max", 48),
+                                           (True, "mean", 64), (True, "sum", 32)])
+def test_aggregation_streams_rows_to_the_same_bits(bf16, reduce, F):
+    """An aggregation whose output only products read writes it with streaming stores
+    (``stream_out``, ``gcomp/codegen/stream_stores.py``: ``vmovntps``, rows rounded to
+    bfloat16 by the CPU first); its bits equal those of the kernel storing through the
+    caches, on an output whose rows start cache lines and on one 16 bytes past a line
+    (stored plainly: the instruction faults there), and its values match float64."""
+    import scipy.sparse as sp
+    import tvm
+    import tvm_ffi
+    from tvm.target import codegen
+    from gcomp.codegen import cpu_kernels
+    from gcomp.codegen.build import make_target
+    from gcomp.codegen.kernels import _stored_bf16, has_dot_bf16
+    target = make_target("llvm")
+    if not codegen.target_has_features("avx512f", tvm.target.Target(target)):
+        pytest.skip("streaming stores of whole lines need AVX-512")
+    if bf16 and not has_dot_bf16(target):
+        pytest.skip("bfloat16 rows are streamed where the CPU rounds them (AVX-512 BF16)")
+    fns = {}
+    for stream in (False, True):
+        with _stored_bf16(("x", "out") if bf16 else ()):
+            f = cpu_kernels.csr_agg(reduce=reduce, H=1, C=F, weight="edge", dot_bf16=bf16,
+                                    stream_out=stream, tuning="default")
+        lib = tvm.compile(tvm.IRModule({"agg": f.with_attr("global_symbol", "agg")}),
+                          target=tvm.target.Target(target))
+        assert ("vmovntps" in lib.mod.inspect_source("asm")) == stream
+        fns[stream] = lib["agg"]
+    rng = np.random.default_rng(F)
+    n, m = 700, 500
+    deg = rng.integers(0, 14, n)
+    indptr = np.concatenate([[0], np.cumsum(deg)]).astype(np.int64)
+    indices = rng.integers(0, m, int(indptr[-1])).astype(np.int32)
+    w = rng.uniform(0.1, 1.0, (len(indices), 1)).astype(np.float32)
+    x = rng.standard_normal((m, F)).astype(np.float32)
+    dtype, view = (np.uint16, "bfloat16") if bf16 else (np.float32, "float32")
+    xs = bf16_bits(x) if bf16 else x
+    T = tvm.runtime.tensor
+    got = {}
+    for stream, fn in fns.items():
+        for offset in (0, 16):
+            store = np.zeros(n * F + 64, dtype)
+            first = ((-store.ctypes.data) % 64 + offset) // store.itemsize
+            rows = store[first:first + n * F]
+            assert rows.ctypes.data % 64 == offset
+            fn(T(indptr), T(indices), T(w), tvm_ffi.from_dlpack(xs)._create_view((m, F), view),
+               tvm_ffi.from_dlpack(rows)._create_view((n, F), view))
+            got[stream, offset] = rows.copy()
+            assert (store[:first] == 0).all() and (store[first + n * F:] == 0).all()
+    first = got[False, 0]
+    assert all(np.array_equal(first, v) for v in got.values())
+    xv = widen_bf16(xs) if bf16 else x.astype(np.float64)
+    terms = sp.csr_matrix((w[:, 0].astype(np.float64), indices, indptr), shape=(n, m))
+    if reduce == "max":
+        ref = np.zeros((n, F))
+        for i in range(n):
+            lo, hi = indptr[i], indptr[i + 1]
+            if hi > lo:
+                ref[i] = (w[lo:hi] * xv[indices[lo:hi]]).max(0)
+    else:
+        ref = terms @ xv
+        if reduce == "mean":
+            ref /= np.maximum(deg, 1)[:, None]
+    val = widen_bf16(first) if bf16 else first.astype(np.float64)
+    tol = 2.0 ** -8 if bf16 else 1e-5
+    assert np.abs(val.reshape(n, F) - ref).max() <= tol * np.abs(ref).max()

@@ -39,6 +39,7 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
 from gcomp.codegen import epilogue as epi
+from gcomp.codegen import stream_stores
 from gcomp.codegen.aggregate_kernel import (NEG_INF, _finish, attention_buffers,
                                             drop_factor, finish_attention_stats, leaky,
                                             slope_factor, times)
@@ -75,6 +76,17 @@ MM_SHARE_K = 8          # k steps of the row-group matmul between two shares of 
 # non-temporal there too, the bf16 GraphSAGE step lost the gain (43.7 vs 43.6).  Only the
 # ``default`` tuning (AMD's AVX-512 cores) was measured; the others keep 3.
 MM_INPUT_LOCALITY = {"default": 0}
+# tunings under which an aggregation whose output only products read (``stream_out``,
+# ``lower.stream_in_order_outputs``) writes it past the caches (``stream_stores``; rows of
+# whole cache lines only).  AMD EPYC Zen 4, arxiv-synth, 2 threads, 21-25 interleaved
+# rounds: the weighted sum alone, float32, 32 features 4.23 -> 3.95 ms, 128 features 18.49
+# -> 12.15 (the output's write-allocate reads gone, the gathered rows kept in L3); bf16
+# 32-wide mean 2.22 -> 2.12.  Training steps, saved artifacts interleaved (medians; the
+# aggregations' sums): bf16 GraphSAGE 43.8 -> 41.1 ms (10.8 -> 10.0), GIN 43.1 -> 42.4
+# (13.9 -> 13.3), GCN 31.4 -> 31.2 (12.8 -> 12.3); float32 GraphSAGE 66.6 -> 65.0 (15.0
+# -> 12.8), GCN 45.8 -> 44.7 (17.8 -> 16.8), GIN 79.3 -> 76.5 (30.8 -> 27.2).  Intel's
+# tunings unmeasured: they store through the caches.
+AGG_STREAM_TUNINGS = {"default"}
 # rows per block of the weight-gradient product (x and y rows in L1).  AMD EPYC Zen 3,
 # arxiv-size rows, 2 threads, interleaved, with the next block's prefetches spread over
 # the tiles: 32 x 32 3.2 ms at 32 rows (3.5 at 64, 4.4 at 128), 40 x 32 4.9 (5.3, 5.4),
@@ -119,12 +131,13 @@ def _features(width: int, emit) -> None:
 
 
 @contextmanager
-def _balanced_rows(indptr, n, name: str = "i"):
+def _balanced_rows(indptr, n, name: str = "i", after=None):
     """``for i in rows``, the rows cut into PARTS contiguous ranges of equal work, in
     parallel.  Work of rows [0, i) is ``indptr[i] - indptr[0] + i`` (their in-edges plus a
     per-row cost), increasing in i, so each range's ends are found by binary search on indptr
     inside the kernel; no per-graph array is needed.  TVM hands the parts out in equal
-    blocks, so a thread that got a power-law graph's hubs no longer finishes last."""
+    blocks, so a thread that got a power-law graph's hubs no longer finishes last.
+    ``after()``, if given, runs at the end of each range."""
     i64 = "int64"
     total = indptr[n] - indptr[0] + n  # indptr may be a view of some rows (distributed)
     with T.parallel(0, PARTS) as t:
@@ -150,6 +163,8 @@ def _balanced_rows(indptr, n, name: str = "i"):
         with T.serial(0, hi - lo) as r:
             IRBuilder.name(name, r)
             yield lo + r
+        if after is not None:
+            after()
 
 
 @contextmanager
@@ -238,11 +253,12 @@ def _prefetch_share(arrays, first, rows: int, n, share, shares: int,
                 start += lines
 
 
-def _row_sums(out, i, F: int):
-    """Where a row's sums of aggregated edges go, and its index map: a bfloat16 output is
-    summed in a float32 row and stored once; a float32 one in place, in row ``i`` of
+def _row_sums(out, i, F: int, scratch: bool = False):
+    """Where a row's sums of aggregated edges go, and its index map: a bfloat16 output, or
+    one ``scratch`` says is stored from a row of its own (``stream_stores``), is
+    summed in a float32 row and stored once; else a float32 one in place, in row ``i`` of
     ``out`` (a local row measured 7-9% slower, 32 and 128 features)."""
-    if stored_bf16("out"):
+    if scratch or stored_bf16("out"):
         return _scratch((F,)), lambda f: [f]
     return out, lambda f: [i, f]
 
@@ -253,7 +269,11 @@ def _args(spec):
 
 @definer("csr_agg", target="llvm")
 def csr_agg(reduce: str, H: int, C: int, weight: str, indirect: bool = False,
-            epilogue: tuple = (), extras: tuple = (), dot_bf16: bool = False):
+            epilogue: tuple = (), extras: tuple = (), dot_bf16: bool = False,
+            stream_out: bool = False, tuning: str = "default"):
+    """``stream_out``: the plan's hint that only products (or the caller) read the
+    output, in order, so it may be written past the caches (``stream_stores``; under
+    the tunings of ``AGG_STREAM_TUNINGS``, for rows of whole cache lines)."""
     F = H * C
     WH = H if weight == "head" else 1
     f32 = "float32"
@@ -277,8 +297,13 @@ def csr_agg(reduce: str, H: int, C: int, weight: str, indirect: bool = False,
             extra = [bufs[f"e{k}"] for k in range(len(extras))]
             init = tirx.const(NEG_INF if reduce == "max" else 0.0, f32)
             rounds = dot_bf16 and stored_bf16("out")
-            with dot_bf16_kernels.importing_round(rounds), _balanced_rows(indptr, n) as i:
-                acc, at = _row_sums(out, i, F)
+            # streaming stores need whole-line rows; a bfloat16 one is rounded by the CPU
+            stream = stream_out and tuning in AGG_STREAM_TUNINGS and stream_stores.streams(
+                F, stored_bf16("out")) and (rounds or not stored_bf16("out"))
+            with dot_bf16_kernels.importing_round(rounds and not stream), \
+                    stream_stores.importing(stream), \
+                    _balanced_rows(indptr, n, after=stream_stores.fence if stream else None) as i:
+                acc, at = _row_sums(out, i, F, scratch=stream)
                 _features(F, lambda f: T.buffer_store(acc, init, at(f)))
                 with T.serial(indptr[i], indptr[i + 1]) as j:
                     IRBuilder.name("j", j)
@@ -303,7 +328,9 @@ def csr_agg(reduce: str, H: int, C: int, weight: str, indirect: bool = False,
                     res = _finish(reduce, acc[at(f)], deg)
                     return epi.apply(epilogue, res,
                                      lambda k: extra[k][epi.index(extras[k], i, f)])
-                if rounds:  # the row finished in its float32 sums, rounded by the CPU
+                if stream:
+                    stream_stores.store_row(out, i, acc, F, finish, stored_bf16("out"))
+                elif rounds:  # the row finished in its float32 sums, rounded by the CPU
                     dot_bf16_kernels.store_rounded(out, i, acc, F, finish)
                 elif reduce != "sum" or epilogue or acc is not out:
                     _features(F, lambda f: T.buffer_store(out, finish(f), [i, f]))
