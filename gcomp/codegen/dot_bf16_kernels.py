@@ -39,9 +39,7 @@ other writes; float32 kernel / bfloat16 widened to float32 / these): x @ W 128 -
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
-from tvm import ir, tirx
+from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
@@ -49,7 +47,7 @@ from gcomp.codegen import epilogue as epi
 from gcomp.codegen.cpu_kernels import (MM_AHEAD_BYTES, MM_SHARE_K, _features, _if,
                                        _prefetch_share, _row_range, _scratch)
 from gcomp.codegen.bf16_pairs import pack_weight_pairs, product_args
-from gcomp.codegen.kernels import arg, stored_bf16
+from gcomp.codegen.kernels import arg, importing_llvm, stored_bf16
 
 LANES = 16       # float32 sums per instruction
 TILE = 64        # columns of sums a group of rows keeps in registers at a time
@@ -111,14 +109,9 @@ define linkonce_odr void @{ROUND}{w}(ptr %dst, ptr %src) alwaysinline {{
 }}""" for w in (16, 8))
 
 
-@contextmanager
 def importing_round(active: bool = True):
     """The body it wraps may call ``store_rounded`` (nothing imported when not ``active``)."""
-    if not active:
-        yield
-        return
-    with T.attr(tirx.const(0, "int32"), "pragma_import_llvm", ir.StringImm(ROUND_LL)):
-        yield
+    return importing_llvm(ROUND_LL if active else "")
 
 
 def store_rounded(out, i, row, C: int, value, c0: int | tirx.PrimExpr = 0) -> None:
@@ -196,7 +189,7 @@ def matmul_dot(K: int, M: int, epilogue: tuple, extras: tuple, K2: int = 0,
             n, args, extra, out = product_args(K, M, extras, K2)
             groups = T.Bind((n + R - 1) // R)
             imports = DOT_LL + (ROUND_LL if stored_bf16("out") else "")
-            with T.attr(tirx.const(0, "int32"), "pragma_import_llvm", ir.StringImm(imports)):
+            with importing_llvm(imports):
                 with T.parallel(0, CHUNKS) as p:
                     products = []
                     for x, w, Kp in args:
@@ -381,7 +374,7 @@ def matmul_tn_dot(K: int, M: int, chunks: int, sum_row: bool):
             out = arg("out", (KX, M), f32)
             part = T.alloc_buffer((P, KX, MP), f32)
             pairs = T.Bind((n + 1) // 2)
-            with T.attr(tirx.const(0, "int32"), "pragma_import_llvm", ir.StringImm(DOT_LL)):
+            with importing_llvm(DOT_LL):
                 with T.parallel(0, P) as p:
                     xp = T.alloc_buffer((BLOCK_PAIRS * SX,), u16, scope="local")
                     yp = T.alloc_buffer((BLOCK_PAIRS * SY,), u16, scope="local")

@@ -34,7 +34,7 @@ import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from tvm import tirx
+from tvm import ir, tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as IB
 
@@ -129,6 +129,17 @@ def bound(value):
     if str(value.ty) == "bfloat16":
         return tirx.Cast("float32", value)
     return IB.Bind(value)
+
+
+@contextmanager
+def importing_llvm(text: str):
+    """The body it wraps may call (``call_extern``) the LLVM functions of ``text``,
+    imported with TVM's ``pragma_import_llvm``; nothing is imported for an empty text."""
+    if not text:
+        yield
+        return
+    with IB.attr(tirx.const(0, "int32"), "pragma_import_llvm", ir.StringImm(text)):
+        yield
 
 
 def arg(name: str, shape, dtype: str):

@@ -24,10 +24,10 @@ bfloat16 form rounds with ``vcvtneps2bf16`` (AVX-512 BF16), as
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
-from tvm import ir, tirx
+from tvm import tirx
 from tvm.script.ir_builder import tirx as T
+
+from gcomp.codegen.kernels import importing_llvm
 
 STREAM = "gcomp_stream_line"
 _LINE = """
@@ -69,14 +69,9 @@ def streams(F: int, bf16: bool) -> bool:
     return F > 0 and F % per_line(bf16) == 0
 
 
-@contextmanager
 def importing(active: bool = True):
     """The body it wraps may call ``store_row`` (nothing imported when not ``active``)."""
-    if not active:
-        yield
-        return
-    with T.attr(tirx.const(0, "int32"), "pragma_import_llvm", ir.StringImm(STREAM_LL)):
-        yield
+    return importing_llvm(STREAM_LL if active else "")
 
 
 def store_row(out, i, row, F: int, value, bf16: bool) -> None:
