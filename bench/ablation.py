@@ -4,12 +4,15 @@
     python -m bench.ablation --graphs cora --models gcn,gat
 
 Per model, the configurations are: ``all`` (the default pipeline and bind-time choices), one
-``-PASS`` per optional optimizing pass (compiled with ``PassContext(disabled={PASS})``), and
-the bind-time decisions forced off: ``-sparse-features`` (dense first-layer kernels whatever
-the feature sparsity) and ``-reorder`` (the user's node order).  Every configuration trains
-the same model from the same weights; before timing, each one's eval-mode output is checked
-against ``all``'s (max relative difference <= 1e-3), so an ablation never measures a
-different function.  Then rounds alternate over the configurations (median of ``--reps``).
+``-PASS`` per optional optimizing pass of the inference and training pipelines (compiled
+with ``PassContext(disabled={PASS})``), and the bind-time decisions forced off:
+``-sparse-features`` (dense first-layer kernels whatever the feature sparsity) and
+``-reorder`` (the user's node order).  A pass that changes neither pipeline's IR for a model
+(GAT's attention fusion for GCN, say) is reported as ``no change``, not timed.  Every
+configuration trains the same model from the same weights; before timing, each one's
+eval-mode output is checked against ``all``'s (max relative difference <= 1e-3), so an
+ablation never measures a different function.  Then rounds alternate over the
+configurations (median of ``--reps``).
 
 A pass that the compiler cannot do without for some model (the plan would need a kernel that
 does not exist, say) is reported with the compiler's error instead of a time.
@@ -26,19 +29,36 @@ import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 
-OPTIONAL_PASSES = ("cse", "fuse_aggregate", "reorder_linear", "hoist_graph_static",
-                   "elide_broadcasts", "fuse_epilogues")
+from gcomp.passes import Instrument  # TVM is not loaded yet: threads are set first
+
+# the passes a model compiles without (the others: eval_mode, canonicalize, dce, add_loss,
+# autodiff), in pipeline order
+OPTIONAL_PASSES = ("cse", "fuse_aggregate", "fuse_attention", "reorder_linear",
+                   "hoist_graph_static", "elide_broadcasts", "split_concat_products",
+                   "rematerialize", "fuse_bias_grads", "fuse_epilogues", "fuse_loss_grad")
 RUNTIME_CHOICES = ("sparse-features", "reorder")
 DEFAULT_SIZES = {"cora": (2, 16), "pubmed-synth": (2, 16), "arxiv-synth": (3, 32)}
 
 
-def make_trainer(wl, disabled: frozenset, sparse: bool, reorder: str):
+class Changes(Instrument):
+    """The names of the passes that changed the IR (of either pipeline)."""
+
+    def __init__(self):
+        self.changed = set()
+
+    def run_after_pass(self, pass_, graph, changed):
+        if changed:
+            self.changed.add(pass_.name)
+
+
+def make_trainer(wl, disabled: frozenset, sparse: bool, reorder: str, changes=None):
     from gcomp.codegen.optimizer import OptimizerConfig
     from gcomp.compiler import compile_model
     from gcomp.passes import PassContext
     from gcomp.runtime.trainer import Trainer
     t0 = time.perf_counter()
-    art = compile_model(wl.model, train=True, ctx=PassContext(disabled=disabled),
+    art = compile_model(wl.model, train=True,
+                        ctx=PassContext(disabled=disabled, instruments=changes or ()),
                         optimizer=OptimizerConfig(name="adam", lr=0.01))
     compile_s = time.perf_counter() - t0
     variants = {} if sparse else {k: False for k in art.plan.variants}
@@ -61,10 +81,15 @@ def run_model(wl, reps: int, warmup: int, log) -> dict:
     from bench.protocol import settle, summarize
     from bench.runner import rel_diff
     entry, trainers = {}, {}
-    ref = None
+    ref, changes = None, Changes()
     for name, cfg in configurations().items():
+        unused = cfg["disabled"] - changes.changed
+        if name != "all" and cfg["disabled"] and unused == cfg["disabled"]:
+            entry[name] = {"status": "no change"}
+            log(f"  {name}: the pass changes nothing for this model")
+            continue
         try:
-            tr, info = make_trainer(wl, **cfg)
+            tr, info = make_trainer(wl, **cfg, changes=changes if name == "all" else None)
         except Exception as e:  # noqa: BLE001 - the compiler's reason is the result
             entry[name] = {"status": "error", "reason": f"{type(e).__name__}: {e}"}
             log(f"  {name}: cannot compile: {type(e).__name__}: {str(e).splitlines()[0]}")
@@ -101,7 +126,7 @@ def run_model(wl, reps: int, warmup: int, log) -> dict:
 
 def markdown(results: dict) -> str:
     names = list(configurations())
-    lines = [f"# gcomp ablations: training epoch with one optimization off\n",
+    lines = ["# gcomp ablations: training epoch with one optimization off\n",
              f"{results['date_utc']} -- `{results['command']}`  ",
              f"{results['machine'].get('cpu_model', '?')}, threads = {results['threads']}; median of "
              f"{results['reps']} alternating epochs; ms per epoch (slowdown vs `all`).\n"]

@@ -1,0 +1,28 @@
+"""bench.ablation times each optional pass turned off, on the same function, and says which
+passes change nothing for a model instead of timing them."""
+
+from bench import workload as W
+from bench.ablation import OPTIONAL_PASSES, run_model
+from gcomp.passes import PASSES, default_pipeline, training_pipeline
+
+
+def test_every_optional_pass_is_a_pass_of_a_pipeline():
+    in_pipelines = {p.name for p in default_pipeline().passes + training_pipeline().passes}
+    assert set(OPTIONAL_PASSES) <= in_pipelines <= set(PASSES)
+    # the rest are what every compile needs
+    assert in_pipelines - set(OPTIONAL_PASSES) == {"eval_mode", "canonicalize", "dce",
+                                                   "add_loss", "autodiff"}
+
+
+def test_gcn_on_cora():
+    entry = run_model(W.make("gcn", "cora", 2, 16, 1), reps=1, warmup=0, log=lambda s: None)
+    # GAT's attention fusion and the GRU's split products have nothing to do in a GCN
+    assert entry["-fuse_attention"] == {"status": "no change"}
+    assert entry["-split_concat_products"] == {"status": "no change"}
+    timed = {k: e for k, e in entry.items() if e["status"] == "ok"}
+    assert {"all", "-fuse_aggregate", "-fuse_epilogues", "-sparse-features"} <= set(timed)
+    for e in timed.values():
+        assert e["max_rel_diff"] <= 1e-3 and e["median_s"] > 0 and e["slowdown"] > 0
+    # without message fusion the per-edge messages are kernels of their own
+    assert timed["-fuse_aggregate"]["kernel_calls"] > timed["all"]["kernel_calls"]
+    assert timed["-fuse_epilogues"]["kernel_calls"] > timed["all"]["kernel_calls"]
