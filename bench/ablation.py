@@ -7,7 +7,8 @@ Per model, the configurations are: ``all`` (the default pipeline and bind-time c
 ``-PASS`` per optional optimizing pass of the inference and training pipelines (compiled
 with ``PassContext(disabled={PASS})``), and the bind-time decisions forced off:
 ``-sparse-features`` (dense first-layer kernels whatever the feature sparsity) and
-``-reorder`` (the user's node order).  A pass that changes neither pipeline's IR for a model
+``-reorder`` (the user's node order) and ``-loss-rows`` (every step on every row, not the
+training mask's rows alone: ``gcomp/codegen/loss_rows.py``).  A pass that changes neither pipeline's IR for a model
 (GAT's attention fusion for GCN, say) is reported as ``no change``, not timed.  Every
 configuration trains the same model from the same weights; before timing, each one's
 eval-mode output is checked against ``all``'s (max relative difference <= 1e-3), so an
@@ -36,7 +37,7 @@ from gcomp.passes import Instrument  # TVM is not loaded yet: threads are set fi
 OPTIONAL_PASSES = ("cse", "fuse_aggregate", "fuse_attention", "reorder_linear",
                    "hoist_graph_static", "elide_broadcasts", "split_concat_products",
                    "rematerialize", "fuse_bias_grads", "fuse_epilogues", "fuse_loss_grad")
-RUNTIME_CHOICES = ("sparse-features", "reorder")
+RUNTIME_CHOICES = ("sparse-features", "reorder", "loss-rows")
 DEFAULT_SIZES = {"cora": (2, 16), "pubmed-synth": (2, 16), "arxiv-synth": (3, 32)}
 
 
@@ -51,7 +52,8 @@ class Changes(Instrument):
             self.changed.add(pass_.name)
 
 
-def make_trainer(wl, disabled: frozenset, sparse: bool, reorder: str, changes=None):
+def make_trainer(wl, disabled: frozenset, sparse: bool, reorder: str, loss_rows: bool = True,
+                 changes=None):
     from gcomp.codegen.optimizer import OptimizerConfig
     from gcomp.compiler import compile_model
     from gcomp.passes import PassContext
@@ -62,7 +64,7 @@ def make_trainer(wl, disabled: frozenset, sparse: bool, reorder: str, changes=No
                         optimizer=OptimizerConfig(name="adam", lr=0.01))
     compile_s = time.perf_counter() - t0
     variants = {} if sparse else {k: False for k in art.plan.variants}
-    tr = Trainer(art, wl.graph, variants=variants, reorder=reorder)
+    tr = Trainer(art, wl.graph, variants=variants, reorder=reorder, loss_rows=loss_rows)
     return tr, {"compile_s": compile_s, "bind_s": tr.bind_time_s,
                 "kernel_calls": len(tr._binding.steps),
                 "planned_mb": tr._binding.memory.get("total_bytes", 0) / 2**20}
@@ -74,6 +76,7 @@ def configurations() -> dict[str, dict]:
         out[f"-{p}"] = dict(disabled=frozenset({p}), sparse=True, reorder="auto")
     out["-sparse-features"] = dict(disabled=frozenset(), sparse=False, reorder="auto")
     out["-reorder"] = dict(disabled=frozenset(), sparse=True, reorder="none")
+    out["-loss-rows"] = dict(disabled=frozenset(), sparse=True, reorder="auto", loss_rows=False)
     return out
 
 

@@ -552,7 +552,10 @@ def cmd_info(args) -> int:
                 structs[gs["name"]] = (GraphStructure.from_edge_index(g.edge_index, g.num_nodes)
                                        if gs["parent"] is None
                                        else structs[gs["parent"]].derive(gs["mode"]))
-            sizes = {"N": g.num_nodes, **{f"E:{k}": v.num_edges for k, v in structs.items()}}
+            # loss rows (codegen/loss_rows.py) counted as every row: the most they take
+            sizes = {"N": g.num_nodes, "L": g.num_nodes,
+                     **{f"E:{k}": v.num_edges for k, v in structs.items()},
+                     **{f"E:{k}|L": v.num_edges for k, v in structs.items()}}
             from gcomp.runtime.features import sparsity
             for v in plan.variants.values():  # sparse-feature buffers, if that variant runs
                 x = g.x

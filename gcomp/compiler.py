@@ -19,6 +19,7 @@ from gcomp.codegen.calibrate import calibrate_formats, calibrate_sparse_threshol
 from gcomp.codegen.hub_split import split_hub_rows
 from gcomp.codegen.kernels import KernelSpec, define, has_amx, has_dot_bf16
 from gcomp.codegen.lower import lower
+from gcomp.codegen.loss_rows import mark_loss_rows
 from gcomp.codegen.optimizer import OptimizerConfig, add_optimizer
 from gcomp.codegen.precision import PRECISIONS, store_bf16
 from gcomp.codegen.specialize import specialize
@@ -185,6 +186,10 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
         train_plan.loss = tgraph.outputs[0].name
         train_plan.grads = dict(tgraph.meta["grads"])
         add_optimizer(train_plan, tspecs, opt, one_kernel=tgt["kind"] == "cuda")
+        if tgt["kind"] == "llvm" and ctx.option("prefer") != "memory":
+            # numbering the mask's nodes first copies features the kernels could have read
+            # where the caller keeps them: not when memory is preferred
+            mark_loss_rows(train_plan, tspecs)
         specs = {**specs, **tspecs}
         ir["training"] = print_graph(tgraph, show_meta=True)
     measured = _measurable(tgt)

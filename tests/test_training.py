@@ -567,10 +567,11 @@ def test_reordered_nodes_give_the_same_training_step(order):
 
 def test_auto_order_keeps_small_graphs_as_given():
     """The gather-distance model alone (in CSR; the banded format may renumber a graph to
-    narrow its band: tests/test_formats.py)."""
+    narrow its band: tests/test_formats.py; the training mask's nodes go first unless
+    ``loss_rows=False``: tests/test_loss_rows.py)."""
     g = labelled(awkward_graph(num_nodes=80, num_edges=400, num_features=6), 3)
     tr = Trainer(compile_model(models.build("gcn", 6, hidden=4, out_channels=3), train=True), g,
-                 formats="csr")
+                 formats="csr", loss_rows=False)
     assert tr._binding.order is None and tr._binding.reorder["chosen"] == "given"
 
 

@@ -896,6 +896,24 @@ def _scan_rows(name: str, F: int, copy: bool):
     return ib.get()
 
 
+@definer("zero_rows", target="llvm")
+def zero_rows(F: int):
+    """out[i, :] = 0 for the rows i >= l past ``head``'s (l, F): ``head`` is a view of
+    ``out``'s first l rows, passed for its length only (never read).  A gradient computed
+    on the rows the loss reads is zero on the others (``codegen/loss_rows.py``)."""
+    with IRBuilder() as ib:
+        with T.prim_func():
+            T.func_name("zero_rows")
+            l, n = (tirx.Var(name, "int64") for name in ("l", "n"))
+            _, out = _args([("head", (l, F), "float32"), ("out", (n, F), "float32")])
+            zero = tirx.const(0.0, out.dtype)
+            with T.parallel(0, FEED_PARTS) as p:
+                lo, hi = _row_range(n - l, p, FEED_PARTS)
+                with T.serial(0, hi - lo) as r:
+                    _features(F, lambda f, i=l + lo + r: T.buffer_store(out, zero, [i, f]))
+    return ib.get()
+
+
 @definer("match_rows", target="llvm")
 def match_rows(F: int):
     """Whether x still holds the nonzeros the sparse-feature kernels were bound with

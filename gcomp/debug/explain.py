@@ -81,6 +81,13 @@ def explain(graph: Graph, plans: dict, graph_data=None, gpu: bool = False) -> di
             report.setdefault("precision", {})[label] = {
                 "bfloat16": stored, "kept_float32": plan.precision["kept_float32"],
                 "bytes_per_node_saved": sum(2 * _node_row(plan.buffers[b]) for b in stored)}
+        if plan.loss_rows:  # codegen/loss_rows.py
+            report["loss_rows"] = {
+                "steps": [f"{s['op']} %{s['node']}" for s in plan.steps if s.get("rows")],
+                "out_edges": [f"{s['op']} %{s['node']}" for s in plan.steps
+                              if any(a.get("rows") and a["array"].startswith("csc_")
+                                     for a in s["args"] if "graph" in a)],
+                "zeroed": [f"%{s['node']}" for s in plan.steps if s.get("tail")]}
         backward = [f"{s['op']} %{s['node']}" for s in plan.steps
                     if s["op"] in ("attention_grad_dst", "attention_grad_src")]
         if backward:
@@ -106,7 +113,14 @@ def explain(graph: Graph, plans: dict, graph_data=None, gpu: bool = False) -> di
         report["graph"] = graph_stats(graph_data)
         from gcomp.runtime.executor import decide_layout
         plan = plans.get("training") or plans["inference"]
-        layout = decide_layout(plan, graph_data, gpu=gpu)
+        mask = None
+        if plan.loss_rows and graph_data.y is not None:
+            from gcomp.runtime.trainer import masks_of
+            mask = masks_of(graph_data)[0]
+            report["loss_rows"]["mask_nodes"] = int(mask.sum())
+        layout = decide_layout(plan, graph_data, gpu=gpu, loss_rows=mask)
+        if mask is not None:
+            report["loss_rows"]["rows"] = layout.sizes["L"]
         report["reorder_nodes"] = layout.reorder
         report["formats"] = layout.formats
         for entry in report["sparse_features"]:
@@ -200,6 +214,17 @@ def render(report: dict) -> str:
     for label, k in report["kernels"].items():
         lines.append(f"{label}: {k['kernels']} kernels, {k['run_steps']} steps per run, "
                      f"{k['bind_steps']} once per graph, {k['feed_steps']} once per feed")
+    if "loss_rows" in report:
+        lr = report["loss_rows"]
+        rows = (f"this graph: {lr['rows']:,} of {report['graph']['nodes']:,} rows (its training "
+                f"mask's {lr['mask_nodes']:,} nodes, numbered first)" if "rows" in lr else
+                "the training mask's nodes, numbered first when a graph is bound")
+        if lr.get("rows") == report.get("graph", {}).get("nodes") and "rows" in lr:
+            rows += "; every row, since an aggregation runs in another format than CSR"
+        lines.append(f"training steps on the rows the loss reads ({rows}): "
+                     f"{len(lr['steps'])} steps ({', '.join(lr['steps']) or 'none'}); "
+                     f"{len(lr['out_edges'])} backward aggregations walk only the edges into "
+                     f"those rows; gradients zeroed past them: {', '.join(lr['zeroed']) or 'none'}")
     if "reorder_nodes" in report:
         r = report["reorder_nodes"]
         dist = ", ".join(f"{k} {v:,.0f}" for k, v in r["mean_distance"].items())

@@ -41,7 +41,8 @@ from gcomp.runtime.graph import GraphStructure
 from gcomp.runtime.cuda_graph import CudaGraph, key_of
 from gcomp.runtime.memory import ITEMSIZE, plan_memory
 from gcomp.runtime.plan import FEED_PARTS, NONFINITE, Plan
-from gcomp.runtime.reorder import choose_order, inverse, rcm_order, relabel
+from gcomp.runtime.reorder import (choose_order, first_rows, inverse, mask_first, rcm_order,
+                                   relabel)
 
 
 def _feature_arrays(features: dict | None, n: int, ranks: dict) -> dict | None:
@@ -187,13 +188,17 @@ def structures_of(plan: Plan, graph: GraphData, order) -> dict[str, GraphStructu
 
 def decide_layout(plan: Plan, graph: GraphData, features: dict | None = None,
                   reorder: str = "auto", formats: str = "auto", structures=None,
-                  gpu: bool = False) -> Layout:
+                  gpu: bool = False, loss_rows: np.ndarray | None = None) -> Layout:
     """The node order and adjacency formats for ``graph`` (numpy only, no device):
     the order by the gather-distance model, then the formats by theirs; when the banded
     format is wanted, or would be the fastest in a band as narrow as the degrees allow,
     reverse Cuthill-McKee is tried and kept if it narrows the band.
     ``structures(graph, order)`` builds the graph values (default ``structures_of``; the
-    distributed runtime builds shards); ``gpu``: the order for CUDA's kernels."""
+    distributed runtime builds shards); ``gpu``: the order for CUDA's kernels.
+    ``loss_rows``: the training mask of a plan with ``loss_rows`` (the user's node order):
+    its nodes are numbered first, each part in the chosen order, and the size ``"L"`` is
+    their count where every aggregation stays CSR (N otherwise: the other formats'
+    kernels compute every row)."""
     structures = structures or (lambda g, o: structures_of(plan, g, o))
 
     def arrange(order):
@@ -202,8 +207,9 @@ def decide_layout(plan: Plan, graph: GraphData, features: dict | None = None,
             g = relabel(graph, order)
             f = {k: _rows(v, order) for k, v in (features or {}).items()}
         st = structures(g, order)
-        sizes = {"N": g.num_nodes}
+        sizes = {"N": g.num_nodes, "L": g.num_nodes}
         sizes.update({f"E:{k}": v.num_edges for k, v in st.items()})
+        sizes.update({f"E:{k}|L": v.num_edges for k, v in st.items()})
         if use_formats:
             sizes.update(fmts.graph_sizes(plan, st))
         return g, f, st, sizes, fmts.band_block(g.edge_index) if use_formats else 0
@@ -227,6 +233,8 @@ def decide_layout(plan: Plan, graph: GraphData, features: dict | None = None,
         return fmts.choose(plan, sizes, block, narrowest, mode)
 
     order, reorder_report = choose_order(graph, row_bytes(plan), reorder, gpu)
+    if loss_rows is not None and reorder != "none":
+        order = mask_first(order, loss_rows)
     g, f, st, sizes, block = arrange(order)
     narrowest = fmts.narrowest_block(graph.edge_index, graph.num_nodes) if use_formats else None
     chosen, report = choose(sizes, block, "auto", narrowest)
@@ -240,6 +248,12 @@ def decide_layout(plan: Plan, graph: GraphData, features: dict | None = None,
             chosen, report = choose(sizes, block, "auto")
     if formats != "auto":
         chosen, report = choose(sizes, block, formats)
+    in_csr = all(fmt == "csr" for fmt in chosen.values())
+    count = first_rows(order, loss_rows) if loss_rows is not None and in_csr else None
+    if count is not None:
+        sizes["L"] = count
+        sizes.update({f"E:{k}|L": v.into_first(count).num_edges for k, v in st.items()})
+        reorder_report["loss_rows"] = count
     return Layout(order, g, f, st, sizes, reorder_report, chosen, report, block)
 
 
@@ -291,6 +305,9 @@ class Executor:
         self.force_variants: dict[str, bool] = {}  # variant key -> on/off, overriding the choice
         self.reorder = "auto"  # node order when binding: auto (cost model), none, rcm, degree
         self.formats = "auto"  # adjacency format: auto (cost model) or one of formats.FORMATS
+        # a training plan's mask (the user's node order), whose rows a binding numbers first
+        # so that the steps the loss alone needs run on them (codegen/loss_rows.py)
+        self.loss_rows: np.ndarray | None = None
         # on a GPU, replay each binding's steps as one CUDA graph (runtime/cuda_graph.py)
         self.cuda_graphs = os.environ.get("GCOMP_CUDA_GRAPHS") == "1"
 
@@ -329,7 +346,8 @@ class Executor:
         graph's own ``x``); the last binding is reused for the same objects and the same
         choices (``reorder``, ``formats``, ``force_variants``) unless ``again``."""
         b = self._binding
-        choices = (self.reorder, self.formats, tuple(sorted(self.force_variants.items())))
+        choices = (self.reorder, self.formats, tuple(sorted(self.force_variants.items())),
+                   None if self.loss_rows is None else id(self.loss_rows))
         if (not again and b is not None and b.graph is graph and b.choices == choices
                 and len(b.arrays) == 3 and b.arrays[0] == graph.num_nodes
                 and all(x is y for x, y in zip(b.arrays[1:], _edge_arrays(graph)))
@@ -343,7 +361,8 @@ class Executor:
                                    {i["name"]: len(i["dims"]) for i in self.plan.inputs
                                     if i["role"] == "node"})
         lay = decide_layout(self.plan, graph, features, self.reorder, self.formats,
-                            self._structures, gpu=not self.on_cpu)
+                            self._structures, gpu=not self.on_cpu,
+                            loss_rows=self.loss_rows if self.plan.loss_rows else None)
         order, graph, features, structures, sizes = (lay.order, lay.graph, lay.features,
                                                      lay.structures, lay.sizes)
         active, sparse = self.choose_variants(graph, features)
@@ -381,10 +400,15 @@ class Executor:
                    if b.get("alias", n) in roots}
         derived = {id(buffers[n]): (r, buffers[n]) for n, r in root_of.items()}
 
-        def graph_array(gname: str, array: str):
-            key = (gname, array)
+        first = sizes["L"] if sizes["L"] < sizes["N"] else None  # loss rows, numbered first
+
+        def graph_array(gname: str, array: str, rows: str | None = None):
+            key = (gname, array, rows)
             if key not in arrays:
                 a = structures[gname].array(array)
+                if rows is not None and first is not None:  # codegen/loss_rows.py
+                    a = (a[:first + 1] if array == "indptr"
+                         else structures[gname].into_first(first).array(array))
                 # on the CPU the kernels read the structure's own arrays (a copy would
                 # double the graph's memory: 20 MB of CSR and CSC on arxiv-size); not
                 # empty ones, whose numpy strides TVM calls non-compact
@@ -396,12 +420,15 @@ class Executor:
             out = []
             for a in step["args"]:
                 if "graph" in a:
-                    out.append(graph_array(a["graph"], a["array"]))
+                    out.append(graph_array(a["graph"], a["array"], a.get("rows")))
                 elif "nodes" in a:  # the user's id of each row
-                    if "nodes" not in arrays:
-                        ids = self._node_ids(graph, order)
-                        arrays["nodes"] = tvm.runtime.tensor(ids.astype(np.int64), self.device)
-                    out.append(arrays["nodes"])
+                    key = ("nodes", a.get("rows"))
+                    if key not in arrays:
+                        ids = self._node_ids(graph, order).astype(np.int64)
+                        arrays[key] = tvm.runtime.tensor(
+                            ids[:_resolve([a["rows"]], sizes)[0]] if "rows" in a else ids,
+                            self.device)
+                    out.append(arrays[key])
                 elif "features" in a:
                     key = ("features", a["features"], a["array"])
                     if key not in arrays:
@@ -435,6 +462,7 @@ class Executor:
         def selected(steps):
             return [(s, args) for s in steps
                     if s.get("when", None) in active | {None} and s.get("unless") not in active
+                    and not (s.get("tail") and first is None)  # no rows past the loss's
                     for args in [args_of(s)] if self._launchable(args)]
         b.feed_steps = [(s, self.functions[s["kernel"]], args)
                         for s, args in selected(self.plan.feed_steps)]
@@ -646,6 +674,10 @@ class Executor:
         bound = {k: v for k, v in values.items() if k in binding.features_src}
         if any(binding.features_src[k] != id(v) for k, v in bound.items()):
             binding = self.bind(binding.graph, bound)  # the last one, if bound with these
+        if self._outside_loss_rows(binding, values):
+            # the steps of the loss's rows were bound for another mask: number this one's first
+            self.loss_rows = np.asarray(values[self.plan.loss_rows["mask"]]) != 0
+            binding = self.bind(binding.graph, bound, again=True)
         checked: set = set()  # inputs _moved checked for NaN and Inf
         if any(k in binding.sparse and self._moved(binding, k, v, checked)
                for k, v in bound.items()):
@@ -659,6 +691,18 @@ class Executor:
             binding = self.bind(binding.graph, bound, again=True)
             self._feed_into(binding, values, set())
         return binding
+
+    def _outside_loss_rows(self, b: Binding, values: dict) -> bool:
+        """Whether the training mask in ``values`` marks a row past the first L, the rows
+        ``b`` runs the loss's steps on (``codegen/loss_rows.py``)."""
+        name = self.plan.loss_rows.get("mask")
+        n, first = b.dims["N"], b.dims.get("L", b.dims["N"])
+        if name not in values or first == n:
+            return False
+        m = np.asarray(values[name])
+        if m.shape != (n,):
+            return False  # _checked names the shape
+        return bool(np.any((m if b.order is None else m[b.order])[first:] != 0))
 
     def _feed_into(self, binding: Binding, values: dict, checked: set) -> None:
         """Put every node input (those in ``checked`` only where a kernel reads them) and

@@ -147,6 +147,21 @@ class GraphStructure:
     def array(self, name: str) -> np.ndarray:
         return getattr(self, name)
 
+    def into_first(self, limit: int) -> "GraphStructure":
+        """The same graph without the edges into rows ``limit`` and after: what an
+        aggregation over out-edges of a tensor that is zero on those rows needs
+        (``codegen/loss_rows.py``); its CSC arrays keep the order of this one's."""
+        if limit >= self.num_nodes:
+            return self
+        cached = getattr(self, "_into_first", None)
+        if cached is not None and cached[0] == limit:
+            return cached[1]
+        end = int(self.indptr[limit])  # CSR order is by destination: a prefix of edges
+        sub = GraphStructure(self.num_nodes, self.indptr[:limit + 1], self.indices[:end], self.rows[:end],
+                             lambda: self.perm[:end])
+        self._into_first = (limit, sub)
+        return sub
+
     # ------------------------------------------------------------------ edge values
     def to_csr_order(self, values: np.ndarray) -> np.ndarray:
         """Edge values in canonical order -> CSR order."""

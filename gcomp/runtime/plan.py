@@ -50,14 +50,22 @@ a graph value) or ints.
 * training plans: ``loss`` (buffer of the scalar loss) and ``grads``
   (parameter -> gradient buffer); their ``steps`` end with the optimizer
   updates, so one pass over ``steps`` is one whole training step.
+* ``loss_rows`` (CPU training plans): ``{"mask": input}`` when steps may run on the rows
+  of that mask alone, numbered first (``gcomp/codegen/loss_rows.py``): the dimension
+  ``"L"`` is their count (N when the runtime does not order them first), a step marked
+  ``"rows": "L"`` runs on rows [0, L), graph arguments with ``"rows": "L"`` are
+  ``indptr``'s first L + 1 entries or the CSC arrays of the edges into those rows
+  (``"E:<graph>|L"`` of them), and ``"tail"`` steps zero rows [L, N) of a gradient;
+  the runtime skips them when L is N.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-PLAN_VERSION = 3  # 2: feed_steps, feed kernels, variants of computed values (1 still runs)
+PLAN_VERSION = 4  # 2: feed_steps, feed kernels, variants of computed values (1 still runs)
 #                    3: the GPU's hub tasks carry their row (t x 3; 2 still runs on the CPU)
+#                    4: loss rows (dimension "L", restricted CSC arrays, tail steps)
 HUB_TASKS_VERSION = 3  # the first plan version whose kernels read t x 3 hub tasks
 FEED_PARTS = 64  # row ranges of an input's feed kernel, each with a flag in its output
 NONFINITE = 0x7F800000  # a flag whose range holds a NaN or an infinity (float exponent bits)
@@ -87,6 +95,7 @@ class Plan:
     specialized: dict = field(default_factory=dict)
     alignment: dict[str, list[int]] = field(default_factory=dict)
     precision: dict = field(default_factory=dict)
+    loss_rows: dict = field(default_factory=dict)
     bind_steps: list[dict] = field(default_factory=list)
     feed_steps: list[dict] = field(default_factory=list)
     steps: list[dict] = field(default_factory=list)

@@ -139,3 +139,23 @@ def relabel(g: GraphData, order: np.ndarray) -> GraphData:
         return None if a is None else a[order]
     return GraphData(g.name, g.num_nodes, inv[g.edge_index], rows(g.x), g.edge_weight, rows(g.y),
                      rows(g.train_mask), rows(g.val_mask), rows(g.test_mask))
+
+
+def mask_first(order, mask: np.ndarray):
+    """``order`` (None: as given) with the rows of boolean ``mask`` (the user's node
+    order) moved before the others, each part in its order: a training step's loss then
+    reads rows [0, L) alone (``codegen/loss_rows.py``).  None where the given order already
+    has them first."""
+    ids = order if order is not None else np.arange(len(mask))
+    picked = mask[ids]
+    if picked[:int(picked.sum())].all():
+        return order
+    return np.concatenate([ids[picked], ids[~picked]])
+
+
+def first_rows(order, mask: np.ndarray) -> int | None:
+    """How many rows ``mask`` marks when they are the first ones in ``order``, else None."""
+    picked = mask if order is None else mask[order]
+    count = int(picked.sum())
+    return count if picked[:count].all() else None
+

@@ -96,16 +96,19 @@ def require_training(artifact) -> None:
 class Trainer:
     def __init__(self, artifact, graph: GraphData, seed: int = 0,
                  variants: dict[str, bool] | None = None, reorder: str = "auto",
-                 formats: str = "auto"):
+                 formats: str = "auto", loss_rows: bool = True):
         """``variants`` forces kernel variants on or off (``plan.variants``; default: chosen
         by the graph's statistics); ``reorder`` the node order (``runtime/reorder.py``);
-        ``formats`` the adjacency format (``runtime/formats.py``)."""
+        ``formats`` the adjacency format (``runtime/formats.py``); ``loss_rows``: number
+        the training mask's nodes first, so that what only the loss reads is computed on
+        those rows alone (``codegen/loss_rows.py``; False: every step on every row)."""
         require_training(artifact)
         graph = check_graph(graph)
         check_seed(seed)
         self.artifact = artifact
         self.graph = graph
         self.seed = int(seed)
+        self.loss_rows = bool(loss_rows)
         lib = artifact.library()
         dev = artifact.device()  # the CPU, or the GPU of a cuda artifact (docs/cuda.md)
         self.store: dict = {}
@@ -129,6 +132,8 @@ class Trainer:
     def _bind_and_feed(self, graph: GraphData, train_mask: np.ndarray) -> None:
         """Bind ``graph`` to the training executor; copy in features, labels and the mask."""
         x = graph.x if graph.x is not None else graph.dense_x()
+        # its rows first: what the loss alone reads runs on them
+        self.train_ex.loss_rows = train_mask if self.loss_rows else None
         self._binding = self.train_ex.bind(graph)
         self.bind_time_s = self._binding.bind_time_s
         feeds = {"labels": np.where(graph.y >= 0, graph.y, 0).astype(np.int32),
