@@ -2,6 +2,7 @@
 
     python -m bench.ablation                       # arxiv-synth, 3 layers, hidden 32, all models
     python -m bench.ablation --graphs cora --models gcn,gat
+    python -m bench.ablation --configs all,-loss-rows     # some configurations only
 
 Per model, the configurations are: ``all`` (the default pipeline and bind-time choices), one
 ``-PASS`` per optional optimizing pass of the inference and training pipelines (compiled
@@ -80,12 +81,14 @@ def configurations() -> dict[str, dict]:
     return out
 
 
-def run_model(wl, reps: int, warmup: int, log) -> dict:
+def run_model(wl, reps: int, warmup: int, log, only: list[str] | None = None) -> dict:
     from bench.protocol import settle, summarize
     from bench.runner import rel_diff
     entry, trainers = {}, {}
     ref, changes = None, Changes()
     for name, cfg in configurations().items():
+        if only is not None and name not in only:
+            continue
         unused = cfg["disabled"] - changes.changed
         if name != "all" and cfg["disabled"] and unused == cfg["disabled"]:
             entry[name] = {"status": "no change"}
@@ -128,7 +131,7 @@ def run_model(wl, reps: int, warmup: int, log) -> dict:
 
 
 def markdown(results: dict) -> str:
-    names = list(configurations())
+    names = results.get("configs") or list(configurations())
     lines = ["# gcomp ablations: training epoch with one optimization off\n",
              f"{results['date_utc']} -- `{results['command']}`  ",
              f"{results['machine'].get('cpu_model', '?')}, threads = {results['threads']}; median of "
@@ -158,8 +161,16 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--configs", default=None,
+                   help="comma-separated configurations to run (default: all of them; 'all' "
+                        "first is the baseline of the slowdowns)")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     a = p.parse_args(argv)
+    only = None if a.configs is None else a.configs.split(",")
+    unknown = sorted(set(only or ()) - set(configurations()))
+    if unknown:
+        p.error(f"unknown configuration(s) {', '.join(unknown)}; they are "
+                f"{', '.join(configurations())}")
     from bench.env import machine, set_threads, versions
     set_threads(a.threads)
     from bench import workload as W
@@ -168,7 +179,7 @@ def main(argv=None) -> int:
                "command": "python -m bench.ablation " + shlex.join(sys.argv[1:] if argv is None
                                                                     else argv),
                "machine": machine(), "versions": versions(), "threads": a.threads,
-               "reps": a.reps, "warmup": a.warmup, "graphs": {}}
+               "reps": a.reps, "warmup": a.warmup, "configs": only, "graphs": {}}
     a.out.mkdir(parents=True, exist_ok=True)
     path = a.out / f"ablation-{stamp.strftime('%Y%m%dT%H%M%SZ')}.json"
     for g in a.graphs.split(","):
@@ -179,7 +190,7 @@ def main(argv=None) -> int:
             wl = W.make(m, g, layers, hidden, 4)
             try:
                 results["graphs"][g][m] = run_model(wl, a.reps, a.warmup,
-                                                    lambda s: print(s, flush=True))
+                                                    lambda s: print(s, flush=True), only)
             except Exception:  # noqa: BLE001 - keep the other models' results
                 results["graphs"][g][m] = {"error": traceback.format_exc()}
                 print(traceback.format_exc(), flush=True)

@@ -120,7 +120,7 @@ def test_corrupt_member_is_detected(gcn_art, tmp_path):
 
 @pytest.mark.parametrize("field,value,msg", [
     ("format_version", 99, "format version 99"),
-    ("plan_version", 99, "plan of version 99; .* runs plans up to version 3"),
+    ("plan_version", 99, "plan of version 99; .* runs plans up to version 4"),
     ("tvm_version", "0.1.0", "built with TVM 0.1.0"),
     ("format", "something-else", "not a gcomp artifact"),
     ("target", "llvm", "names no llvm or cuda target"),

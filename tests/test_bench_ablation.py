@@ -26,3 +26,12 @@ def test_gcn_on_cora():
     # without message fusion the per-edge messages are kernels of their own
     assert timed["-fuse_aggregate"]["kernel_calls"] > timed["all"]["kernel_calls"]
     assert timed["-fuse_epilogues"]["kernel_calls"] > timed["all"]["kernel_calls"]
+
+
+def test_some_configurations_only():
+    """``--configs all,-loss-rows``: the baseline and every step on every row, each one
+    the same function."""
+    entry = run_model(W.make("sage", "cora", 2, 16, 1), reps=1, warmup=0, log=lambda s: None,
+                      only=["all", "-loss-rows"])
+    assert set(entry) == {"all", "-loss-rows"}
+    assert all(e["status"] == "ok" and e["max_rel_diff"] <= 1e-3 for e in entry.values())

@@ -76,6 +76,9 @@ class DistributedTrainer(Trainer):
         self.train_ex.epilogues = self.eval_ex.epilogues = fused_epilogues(
             (artifact.ir or {}).values())
         self.step_count = 0
+        # a shard's rows keep their order [owned interior | boundary | halo] (halo.py): its
+        # steps run on every row (codegen/loss_rows.py is for one process)
+        self.loss_rows = False
         own = sh.gids[:sh.n_own]
         local_train = np.zeros(sh.n_local, bool)
         local_train[:sh.n_own] = self.train_mask[own]
