@@ -485,6 +485,8 @@ def _train(args, comm=None) -> int:
         "planned_mb": trainer._binding.memory["total_bytes"] / 2**20,
         "step": trainer.step_count,
         "node_order": trainer.node_order,
+        # rows the steps only the loss needs run on (codegen/loss_rows.py; all: every row)
+        "loss_rows": (trainer._binding.dims["L"] if comm is None else graph.num_nodes),
         # formats chosen at bind time, and those fixed at compile time (--graph); CSR
         # where no choice was made (--format csr), and a shard aggregates in CSR
         # whatever the artifact was specialized to

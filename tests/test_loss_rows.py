@@ -37,13 +37,24 @@ def poison(tr: Trainer) -> None:
         t.copyfrom(np.full(tuple(t.shape), np.nan, np.float32))
 
 
-def reference(tr: Trainer, model, g: GraphData, params: dict, mask: np.ndarray):
+def reference(model, g: GraphData, params: dict, mask: np.ndarray):
     tg = training_pipeline()(model.graph.copy())
     inputs = {"x": g.x, "edge_index": RefGraph.from_edge_index(g.edge_index, g.num_nodes),
               "edge_weight": g.edge_weight, "labels": g.y,
               "train_mask": mask.astype(np.float64), "rng_step": 1}
     outs = interpret(tg, {k: v for k, v in inputs.items() if tg.has(k)}, params)
     return outs[0], dict(zip(tg.meta["grads"], outs[1:]))
+
+
+def poisoned_step_is_the_interpreters(tr: Trainer, model, g: GraphData) -> None:
+    """One step of ``tr`` after ``poison``: its loss and gradients are the interpreter's."""
+    params = tr.parameters()
+    poison(tr)
+    loss = tr.step()
+    ref_loss, ref_grads = reference(model, g, params, tr.train_mask)
+    assert abs(loss - ref_loss) <= 1e-4 * abs(ref_loss)
+    for k, v in tr.gradients().items():
+        assert rel_err(v, ref_grads[k]) <= 1e-4, (k, rel_err(v, ref_grads[k]))
 
 
 def steps_of(plan, kind: str, rows=None) -> list:
@@ -64,13 +75,7 @@ def test_a_step_on_the_loss_rows_gives_the_interpreters_gradients(name, fraction
     b = tr._binding
     assert b.dims["L"] == int(tr.train_mask.sum()) < g.num_nodes
     assert tr.train_mask[b.order[:b.dims["L"]]].all()
-    params = tr.parameters()
-    poison(tr)
-    loss = tr.step()
-    ref_loss, ref_grads = reference(tr, m, g, params, tr.train_mask)
-    assert abs(loss - ref_loss) <= 1e-4 * abs(ref_loss)
-    for k, v in tr.gradients().items():
-        assert rel_err(v, ref_grads[k]) <= 1e-4, (k, rel_err(v, ref_grads[k]))
+    poisoned_step_is_the_interpreters(tr, m, g)
 
 
 def test_weighted_gcn_reads_the_edges_into_the_loss_rows_in_csc_order():
@@ -91,14 +96,7 @@ def test_weighted_gcn_reads_the_edges_into_the_loss_rows_in_csc_order():
         assert w.endswith(".csc.L") and plan.buffers[w]["dims"][0].endswith("|L")
         assert made[w]["args"][0] == {"graph": made[w]["args"][0]["graph"],
                                       "array": "csc_eid", "rows": "L"}
-    tr = Trainer(art, g)
-    params = tr.parameters()
-    poison(tr)
-    loss = tr.step()
-    ref_loss, ref_grads = reference(tr, m, g, params, tr.train_mask)
-    assert abs(loss - ref_loss) <= 1e-4 * abs(ref_loss)
-    for k, v in tr.gradients().items():
-        assert rel_err(v, ref_grads[k]) <= 1e-4, k
+    poisoned_step_is_the_interpreters(Trainer(art, g), m, g)
 
 
 @pytest.mark.parametrize("classes", [3, 40])
@@ -184,7 +182,7 @@ def test_feeding_another_mask_numbers_its_rows_first():
     params = tr.parameters()
     ex.execute(b2)
     loss = float(b2.buffers[tr.artifact.train_plan.loss].numpy())
-    ref_loss, _ = reference(tr, m, g, params, other)
+    ref_loss, _ = reference(m, g, params, other)
     assert abs(loss - ref_loss) <= 1e-4 * abs(ref_loss)
 
 

@@ -22,6 +22,7 @@ from math import prod
 
 import numpy as np
 
+from gcomp.errors import InputError
 from gcomp.ir.graph import Graph
 from gcomp.ir.ops import Op
 from gcomp.ir.types import TensorType
@@ -116,8 +117,12 @@ def explain(graph: Graph, plans: dict, graph_data=None, gpu: bool = False) -> di
         mask = None
         if plan.loss_rows and graph_data.y is not None:
             from gcomp.runtime.trainer import masks_of
-            mask = masks_of(graph_data)[0]
-            report["loss_rows"]["mask_nodes"] = int(mask.sum())
+            try:
+                mask = masks_of(graph_data)[0]
+            except InputError:  # no labelled training node: the graph cannot train
+                pass
+            else:
+                report["loss_rows"]["mask_nodes"] = int(mask.sum())
         layout = decide_layout(plan, graph_data, gpu=gpu, loss_rows=mask)
         if mask is not None:
             report["loss_rows"]["rows"] = layout.sizes["L"]

@@ -164,7 +164,7 @@ def row_bytes(plan: Plan) -> int:
 class Layout:
     """Where a bound graph's rows go and how its adjacency is stored."""
     order: np.ndarray | None  # order[i]: the user's node at row i (None: as given)
-    graph: GraphData  # in that order
+    graph: GraphData  # in that order, without its features (fed in that order: Executor._put)
     features: dict | None
     structures: dict[str, GraphStructure]
     sizes: dict[str, int]  # N, E:<graph>
@@ -204,7 +204,7 @@ def decide_layout(plan: Plan, graph: GraphData, features: dict | None = None,
     def arrange(order):
         g, f = graph, features
         if order is not None:  # every node-indexed array below uses the new numbering
-            g = relabel(graph, order)
+            g = relabel(graph, order, x=False)  # choose_variants takes x in the given order
             f = {k: _rows(v, order) for k, v in (features or {}).items()}
         st = structures(g, order)
         sizes = {"N": g.num_nodes, "L": g.num_nodes}
@@ -326,18 +326,23 @@ class Executor:
         return self.store[name].numpy()
 
     # ------------------------------------------------------------------ binding
-    def choose_variants(self, graph: GraphData, features: dict | None) -> tuple[set, dict]:
-        """Active variants for this graph, and the sparse features they need."""
+    def choose_variants(self, x_given, features: dict | None, order) -> tuple[set, dict]:
+        """Active variants for this graph, and the sparse features they need: node inputs
+        ``features`` (in the bound ``order``), else the graph's ``x_given`` (in the user's
+        order: its rows are put in ``order`` only where a variant needs its nonzeros, so
+        that a bound order costs no copy of dense features here)."""
         active, sparse = set(), {}
         for key, v in self.plan.variants.items():
             if "sources" in v:  # computed by feed steps: _computed_variants measures them
                 continue
-            x = (features or {}).get(v["input"], graph.x)
+            fed = v["input"] in (features or {})
+            x = features[v["input"]] if fed else x_given
             forced = self.force_variants.get(key)
             on = forced if forced is not None else sparse_enough(x, v["threshold"])
             if on and x is not None:
                 active.add(key)
-                sparse[v["input"]] = SparseFeatures(x)
+                sparse[v["input"]] = SparseFeatures(x if fed or order is None
+                                                    else _rows(x, order))
         return active, sparse
 
     def bind(self, graph: GraphData, features: dict | None = None,
@@ -360,12 +365,13 @@ class Executor:
         features = _feature_arrays(features, graph.num_nodes,
                                    {i["name"]: len(i["dims"]) for i in self.plan.inputs
                                     if i["role"] == "node"})
+        x_given = graph.x
         lay = decide_layout(self.plan, graph, features, self.reorder, self.formats,
                             self._structures, gpu=not self.on_cpu,
                             loss_rows=self.loss_rows if self.plan.loss_rows else None)
         order, graph, features, structures, sizes = (lay.order, lay.graph, lay.features,
                                                      lay.structures, lay.sizes)
-        active, sparse = self.choose_variants(graph, features)
+        active, sparse = self.choose_variants(x_given, features, order)
         sizes.update({f"NNZ:{k}": f.nnz for k, f in sparse.items()})
         sizes.update({f"NNZ:{v['input']}": 0 for v in self.plan.variants.values()
                       if v["input"] not in sparse})
@@ -804,9 +810,14 @@ class Executor:
         self._read_from(binding, name, None)
         x = self._checked(binding, inp, value)
         if read:
-            if binding.order is not None:
-                x = np.ascontiguousarray(x[binding.order])
-            binding.buffers[name].copyfrom(x)
+            dest = binding.buffers[name]
+            if binding.order is None:
+                dest.copyfrom(x)
+            elif self.on_cpu and str(dest.dtype) == str(x.dtype):
+                # the rows in the bound order, straight into the buffer (no copy between)
+                np.take(x, binding.order, axis=0, out=np.from_dlpack(dest))
+            else:
+                dest.copyfrom(np.ascontiguousarray(x[binding.order]))
 
     def execute(self, binding: Binding) -> None:
         if binding is not self._binding:

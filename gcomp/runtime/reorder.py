@@ -131,14 +131,16 @@ def _gpu_order(g: GraphData, report: dict):
     return order, report
 
 
-def relabel(g: GraphData, order: np.ndarray) -> GraphData:
-    """The same graph with node order[i] renumbered i (edges keep their order)."""
+def relabel(g: GraphData, order: np.ndarray, x: bool = True) -> GraphData:
+    """The same graph with node order[i] renumbered i (edges keep their order); without
+    its features where ``x`` is False (a copy of them the caller does not need)."""
     inv = inverse(order)
 
     def rows(a):
         return None if a is None else a[order]
-    return GraphData(g.name, g.num_nodes, inv[g.edge_index], rows(g.x), g.edge_weight, rows(g.y),
-                     rows(g.train_mask), rows(g.val_mask), rows(g.test_mask))
+    return GraphData(g.name, g.num_nodes, inv[g.edge_index], rows(g.x) if x else None,
+                     g.edge_weight, rows(g.y), rows(g.train_mask), rows(g.val_mask),
+                     rows(g.test_mask))
 
 
 def mask_first(order, mask: np.ndarray):
