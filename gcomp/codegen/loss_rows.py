@@ -21,7 +21,9 @@ Guarantees, with ``plan.loss_rows = {"mask": "train_mask"}`` (the plan dimension
   bias gradient) is marked so where one of its factors is zero past row L.
 * A run step that aggregates over out-edges a tensor zero past row L reads the CSC arrays
   of the edges into rows [0, L) only (``"rows": "L"`` on ``csc_*``; the executor builds
-  them once per bound graph); fixed edge weights are then read through ``csc_eid``.
+  them once per bound graph); fixed edge weights are put in that CSC's order by a bind
+  step of their own (``"E:<graph>|L"`` of them).  Weights read through ``csc_eid`` (the
+  kernel sizes them by the edges it walks) keep the whole CSC.
 * Every node tensor is valid wherever a later step reads it: a value computed on the
   prefix that a later step reads whole is zero past row L (a gradient, by the rules
   above), and a ``zero_rows`` step (``"tail": True``) writes those zeros right after it.
@@ -35,9 +37,9 @@ Not for CUDA plans (their kernels and CUDA graphs are not re-checked for prefix 
 from __future__ import annotations
 
 from gcomp.codegen.kernels import KernelSpec
+from gcomp.passes.add_loss import TRAIN_MASK as MASK
 from gcomp.runtime.plan import Plan
 
-MASK = "train_mask"  # the loss's mask (passes/add_loss.py)
 DIM = "L"
 
 # ops whose value is zero where their (first) input is: relu(0) = tanh(0) = 0, ...

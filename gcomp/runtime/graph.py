@@ -86,6 +86,7 @@ class GraphStructure:
         self.rows = rows
         self._perm_fn = perm_fn
         self._origin = origin
+        self._into_first: tuple | None = None  # (limit, its graph): into_first's last
 
     @property
     def num_edges(self) -> int:
@@ -153,9 +154,8 @@ class GraphStructure:
         (``codegen/loss_rows.py``); its CSC arrays keep the order of this one's."""
         if limit >= self.num_nodes:
             return self
-        cached = getattr(self, "_into_first", None)
-        if cached is not None and cached[0] == limit:
-            return cached[1]
+        if self._into_first is not None and self._into_first[0] == limit:
+            return self._into_first[1]
         end = int(self.indptr[limit])  # CSR order is by destination: a prefix of edges
         sub = GraphStructure(self.num_nodes, self.indptr[:limit + 1], self.indices[:end], self.rows[:end],
                              lambda: self.perm[:end])
