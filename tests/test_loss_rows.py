@@ -158,11 +158,16 @@ def test_without_loss_rows_or_in_another_format_every_row_runs_the_same_steps():
         assert b.dims["L"] == g.num_nodes
         assert not any(s.get("tail") for s in b.plan_steps)
     assert runs["off"]._binding.order is None and runs["none"]._binding.order is None
-    losses = {k: [tr.step() for _ in range(4)] for k, tr in runs.items()}
+    # the first step's gradients; then losses, which Adam's steps on gradients near zero
+    # (their sign decides a whole step) may move apart at rounding level
+    first = {k: tr.step() for k, tr in runs.items()}
     for k in ("off", "none", "dense"):
-        np.testing.assert_allclose(losses[k], losses["rows"], rtol=1e-5)
-        for p, v in runs[k].parameters().items():
-            assert rel_err(v, runs["rows"].parameters()[p]) <= 1e-4, (k, p)
+        assert abs(first[k] - first["rows"]) <= 1e-5 * abs(first["rows"])
+        for p, v in runs[k].gradients().items():
+            assert rel_err(v, runs["rows"].gradients()[p]) <= 1e-4, (k, p)
+    losses = {k: [tr.step() for _ in range(3)] for k, tr in runs.items()}
+    for k in ("off", "none", "dense"):
+        np.testing.assert_allclose(losses[k], losses["rows"], rtol=1e-4)
 
 
 def test_feeding_another_mask_numbers_its_rows_first():
