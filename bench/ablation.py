@@ -3,6 +3,7 @@
     python -m bench.ablation                       # arxiv-synth, 3 layers, hidden 32, all models
     python -m bench.ablation --graphs cora --models gcn,gat
     python -m bench.ablation --configs all,-loss-rows     # some configurations only
+    python -m bench.ablation --configs all,-loss-rows --memory   # and each one's peak RSS
 
 Per model, the configurations are: ``all`` (the default pipeline and bind-time choices), one
 ``-PASS`` per optional optimizing pass of the inference and training pipelines (compiled
@@ -14,7 +15,9 @@ training mask's rows alone: ``gcomp/codegen/loss_rows.py``).  A pass that change
 configuration trains the same model from the same weights; before timing, each one's
 eval-mode output is checked against ``all``'s (max relative difference <= 1e-3), so an
 ablation never measures a different function.  Then rounds alternate over the
-configurations (median of ``--reps``).
+configurations (median of ``--reps``).  With ``--memory``, each configuration's saved
+artifact also trains in a fresh process with the same choices, whose peak RSS above a
+process that only imported the libraries is recorded (``bench/memory.py``).
 
 A pass that the compiler cannot do without for some model (the plan would need a kernel that
 does not exist, say) is reported with the compiler's error instead of a time.
@@ -26,6 +29,7 @@ import argparse
 import json
 import shlex
 import sys
+import tempfile
 import time
 import traceback
 from datetime import datetime, timezone
@@ -65,8 +69,9 @@ def make_trainer(wl, disabled: frozenset, sparse: bool, reorder: str, loss_rows:
                         optimizer=OptimizerConfig(name="adam", lr=0.01))
     compile_s = time.perf_counter() - t0
     variants = {} if sparse else {k: False for k in art.plan.variants}
-    tr = Trainer(art, wl.graph, variants=variants, reorder=reorder, loss_rows=loss_rows)
-    return tr, {"compile_s": compile_s, "bind_s": tr.bind_time_s,
+    options = {"variants": variants, "reorder": reorder, "loss_rows": loss_rows}
+    tr = Trainer(art, wl.graph, **options)
+    return tr, options, {"compile_s": compile_s, "bind_s": tr.bind_time_s,
                 "kernel_calls": len(tr._binding.steps),
                 "planned_mb": tr._binding.memory.get("total_bytes", 0) / 2**20}
 
@@ -81,7 +86,9 @@ def configurations() -> dict[str, dict]:
     return out
 
 
-def run_model(wl, reps: int, warmup: int, log, only: list[str] | None = None) -> dict:
+def run_model(wl, reps: int, warmup: int, log, only: list[str] | None = None,
+              memory=None) -> dict:
+    """``memory``: a ``bench.memory.MemoryMeter`` that measures each configuration too."""
     from bench.protocol import settle, summarize
     from bench.runner import rel_diff
     entry, trainers = {}, {}
@@ -95,7 +102,8 @@ def run_model(wl, reps: int, warmup: int, log, only: list[str] | None = None) ->
             log(f"  {name}: the pass changes nothing for this model")
             continue
         try:
-            tr, info = make_trainer(wl, **cfg, changes=changes if name == "all" else None)
+            tr, options, info = make_trainer(wl, **cfg,
+                                             changes=changes if name == "all" else None)
         except Exception as e:  # noqa: BLE001 - the compiler's reason is the result
             entry[name] = {"status": "error", "reason": f"{type(e).__name__}: {e}"}
             log(f"  {name}: cannot compile: {type(e).__name__}: {str(e).splitlines()[0]}")
@@ -110,6 +118,12 @@ def run_model(wl, reps: int, warmup: int, log, only: list[str] | None = None) ->
             log(f"  {name}: output differs from 'all' by {d:.2e}; not timed")
             continue
         trainers[name] = tr
+        if memory is not None:
+            with tempfile.TemporaryDirectory() as tmp:
+                path = str(Path(tmp) / "model.gcomp")
+                tr.artifact.save(path)
+                entry[name]["memory"] = memory.measure("gcomp", wl, path, options)
+            log(f"  {name}: peak RSS {entry[name]['memory'].get('extra_mb')} MB above the imports")
         log(f"  {name}: compile {info['compile_s']:.1f} s, {info['kernel_calls']} kernel calls")
     times = {k: [] for k in trainers}
     for rnd in range(warmup + reps):
@@ -150,6 +164,16 @@ def markdown(results: dict) -> str:
                                  ("" if n == "all" else f" ({r.get('slowdown', 0):.2f}x)"))
             lines.append(f"| {m} | " + " | ".join(cells) + " |")
         lines.append("")
+        rss = {m: {n: e.get(n, {}).get("memory", {}).get("extra_mb") for n in names}
+               for m, e in models.items()}
+        if any(v is not None for r in rss.values() for v in r.values()):
+            lines += ["Peak RSS MB above a process that only imported the libraries (a fresh "
+                      "process per configuration):\n", "| model | " + " | ".join(names) + " |",
+                      "|---" * (len(names) + 1) + "|"]
+            lines += [f"| {m} | " + " | ".join("-" if v is None else f"{v:,.0f}"
+                                               for v in r.values()) + " |"
+                      for m, r in rss.items()]
+            lines.append("")
     return "\n".join(lines)
 
 
@@ -161,6 +185,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--memory", action="store_true",
+                   help="also each configuration's peak RSS, training in a fresh process")
     p.add_argument("--configs", default=None,
                    help="comma-separated configurations to run (default: all of them; 'all' "
                         "first is the baseline of the slowdowns)")
@@ -175,6 +201,8 @@ def main(argv=None) -> int:
     set_threads(a.threads)
     from bench import workload as W
     stamp = datetime.now(timezone.utc)
+    from bench.memory import MemoryMeter
+    meter = MemoryMeter(a.threads, "training", iters=3, timeout_s=900) if a.memory else None
     results = {"date_utc": stamp.isoformat(timespec="seconds"),
                "command": "python -m bench.ablation " + shlex.join(sys.argv[1:] if argv is None
                                                                     else argv),
@@ -190,7 +218,8 @@ def main(argv=None) -> int:
             wl = W.make(m, g, layers, hidden, 4)
             try:
                 results["graphs"][g][m] = run_model(wl, a.reps, a.warmup,
-                                                    lambda s: print(s, flush=True), only)
+                                                    lambda s: print(s, flush=True), only,
+                                                    meter)
             except Exception:  # noqa: BLE001 - keep the other models' results
                 results["graphs"][g][m] = {"error": traceback.format_exc()}
                 print(traceback.format_exc(), flush=True)

@@ -21,9 +21,10 @@ def compile_artifact(workload, precision: str = "fp32"):
     return art, time.perf_counter() - t0
 
 
-def make(workload, mode: str, artifact=None, precision: str = "fp32") -> Runner:
+def make(workload, mode: str, artifact=None, precision: str = "fp32", **options) -> Runner:
+    """``options``: ``Trainer`` keywords of a training run (``loss_rows``, ``reorder``)."""
     if mode == "training":
-        return make_training(workload, artifact, precision)
+        return make_training(workload, artifact, precision, **options)
     setup = {}
     if artifact is None:
         artifact, setup["compile_s"] = compile_artifact(workload, precision)
@@ -57,7 +58,7 @@ def make(workload, mode: str, artifact=None, precision: str = "fp32") -> Runner:
                          f"{how}) is inside the timed step"])
 
 
-def make_training(workload, artifact=None, precision: str = "fp32") -> Runner:
+def make_training(workload, artifact=None, precision: str = "fp32", **options) -> Runner:
     """One epoch = ``Trainer.step()``: forward, masked cross-entropy over the graph's training
     mask (the workload's), backward and one Adam step (lr 0.01), all compiled kernels; the
     features, labels and mask are copied in once at bind time (the peers hold them as tensors
@@ -73,7 +74,7 @@ def make_training(workload, artifact=None, precision: str = "fp32") -> Runner:
                                  precision=precision)
         setup["compile_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    trainer = Trainer(artifact, workload.graph)
+    trainer = Trainer(artifact, workload.graph, **options)
     setup["load_bind_s"] = time.perf_counter() - t0
     setup["bind_s"] = trainer.bind_time_s
     return Runner("gcomp", trainer.step, trainer.logits, setup, artifact=artifact,

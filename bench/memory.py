@@ -72,7 +72,8 @@ def child(spec: dict) -> dict:
     if spec["config"] == "gcomp":
         from bench import gcomp_runner
         from gcomp.runtime.artifact import load
-        runner = gcomp_runner.make(wl, spec["mode"], artifact=load(spec["artifact"]))
+        runner = gcomp_runner.make(wl, spec["mode"], artifact=load(spec["artifact"]),
+                                   **spec.get("options", {}))
     else:
         from bench.runner import make_runner
         runner = make_runner(spec["config"], wl, spec["mode"])
@@ -111,11 +112,14 @@ class MemoryMeter:
                                              "threads": self.threads}, self.timeout_s)
         return self.baselines[fam]
 
-    def measure(self, config: str, wl, artifact_path: str | None = None) -> dict:
+    def measure(self, config: str, wl, artifact_path: str | None = None,
+                options: dict | None = None) -> dict:
+        """``options``: gcomp's runtime choices (``gcomp_runner.make``'s keywords)."""
         base = self.baseline(config)
         spec = {"config": config, "model": wl.model_name, "graph": wl.graph_name,
                 "layers": wl.layers, "hidden": wl.hidden, "heads": wl.heads, "mode": self.mode,
-                "iters": self.iters, "threads": self.threads, "artifact": artifact_path}
+                "iters": self.iters, "threads": self.threads, "artifact": artifact_path,
+                "options": options or {}}
         r = run_child(spec, self.timeout_s)
         if "error" in r:
             return {"status": "failed", "reason": r["error"]}

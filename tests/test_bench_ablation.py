@@ -28,10 +28,14 @@ def test_gcn_on_cora():
     assert timed["-fuse_epilogues"]["kernel_calls"] > timed["all"]["kernel_calls"]
 
 
-def test_some_configurations_only():
-    """``--configs all,-loss-rows``: the baseline and every step on every row, each one
-    the same function."""
+def test_some_configurations_only_and_their_memory():
+    """``--configs all,-loss-rows --memory``: the baseline and every step on every row,
+    each one the same function, each one's peak RSS measured in a process of its own."""
+    from bench.memory import MemoryMeter
+    meter = MemoryMeter(threads=2, mode="training", iters=1, timeout_s=600)
     entry = run_model(W.make("sage", "cora", 2, 16, 1), reps=1, warmup=0, log=lambda s: None,
-                      only=["all", "-loss-rows"])
+                      only=["all", "-loss-rows"], memory=meter)
     assert set(entry) == {"all", "-loss-rows"}
     assert all(e["status"] == "ok" and e["max_rel_diff"] <= 1e-3 for e in entry.values())
+    for e in entry.values():
+        assert e["memory"]["status"] == "ok" and e["memory"]["extra_mb"] > 0, e["memory"]
