@@ -4,6 +4,7 @@
     python -m bench.ablation --graphs cora --models gcn,gat
     python -m bench.ablation --configs all,-loss-rows     # some configurations only
     python -m bench.ablation --configs all,-loss-rows --memory   # and each one's peak RSS
+    python -m bench.ablation --precision bf16      # activations in bfloat16 (Mixed precision)
 
 Per model, the configurations are: ``all`` (the default pipeline and bind-time choices), one
 ``-PASS`` per optional optimizing pass of the inference and training pipelines (compiled
@@ -58,7 +59,7 @@ class Changes(Instrument):
 
 
 def make_trainer(wl, disabled: frozenset, sparse: bool, reorder: str, loss_rows: bool = True,
-                 changes=None):
+                 changes=None, precision: str = "fp32"):
     from gcomp.codegen.optimizer import OptimizerConfig
     from gcomp.compiler import compile_model
     from gcomp.passes import PassContext
@@ -66,12 +67,14 @@ def make_trainer(wl, disabled: frozenset, sparse: bool, reorder: str, loss_rows:
     t0 = time.perf_counter()
     art = compile_model(wl.model, train=True,
                         ctx=PassContext(disabled=disabled, instruments=changes or ()),
-                        optimizer=OptimizerConfig(name="adam", lr=0.01))
+                        optimizer=OptimizerConfig(name="adam", lr=0.01), precision=precision)
     compile_s = time.perf_counter() - t0
     variants = {} if sparse else {k: False for k in art.plan.variants}
     options = {"variants": variants, "reorder": reorder, "loss_rows": loss_rows}
     tr = Trainer(art, wl.graph, **options)
+    bf16 = [k for k, v in art.train_plan.buffers.items() if v["dtype"] == "bfloat16"]
     return tr, options, {"compile_s": compile_s, "bind_s": tr.bind_time_s,
+                         "bfloat16_buffers": len(bf16),
                 "kernel_calls": len(tr._binding.steps),
                 "planned_mb": tr._binding.memory.get("total_bytes", 0) / 2**20}
 
@@ -87,7 +90,7 @@ def configurations() -> dict[str, dict]:
 
 
 def run_model(wl, reps: int, warmup: int, log, only: list[str] | None = None,
-              memory=None) -> dict:
+              memory=None, precision: str = "fp32") -> dict:
     """``memory``: a ``bench.memory.MemoryMeter`` that measures each configuration too."""
     from bench.protocol import settle, summarize
     from bench.runner import rel_diff
@@ -102,7 +105,7 @@ def run_model(wl, reps: int, warmup: int, log, only: list[str] | None = None,
             log(f"  {name}: the pass changes nothing for this model")
             continue
         try:
-            tr, options, info = make_trainer(wl, **cfg,
+            tr, options, info = make_trainer(wl, **cfg, precision=precision,
                                              changes=changes if name == "all" else None)
         except Exception as e:  # noqa: BLE001 - the compiler's reason is the result
             entry[name] = {"status": "error", "reason": f"{type(e).__name__}: {e}"}
@@ -148,7 +151,8 @@ def markdown(results: dict) -> str:
     names = results.get("configs") or list(configurations())
     lines = ["# gcomp ablations: training epoch with one optimization off\n",
              f"{results['date_utc']} -- `{results['command']}`  ",
-             f"{results['machine'].get('cpu_model', '?')}, threads = {results['threads']}; median of "
+             f"{results['machine'].get('cpu_model', '?')}, threads = {results['threads']}, "
+             f"{results.get('precision', 'fp32')}; median of "
              f"{results['reps']} alternating epochs; ms per epoch (slowdown vs `all`).\n"]
     for g, models in results["graphs"].items():
         lines += [f"## {g}\n", "| model | " + " | ".join(names) + " |",
@@ -190,6 +194,8 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default=None,
                    help="comma-separated configurations to run (default: all of them; 'all' "
                         "first is the baseline of the slowdowns)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="the activations' precision of every configuration")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     a = p.parse_args(argv)
     only = None if a.configs is None else a.configs.split(",")
@@ -207,7 +213,8 @@ def main(argv=None) -> int:
                "command": "python -m bench.ablation " + shlex.join(sys.argv[1:] if argv is None
                                                                     else argv),
                "machine": machine(), "versions": versions(), "threads": a.threads,
-               "reps": a.reps, "warmup": a.warmup, "configs": only, "graphs": {}}
+               "reps": a.reps, "warmup": a.warmup, "configs": only,
+               "precision": a.precision, "graphs": {}}
     a.out.mkdir(parents=True, exist_ok=True)
     path = a.out / f"ablation-{stamp.strftime('%Y%m%dT%H%M%SZ')}.json"
     for g in a.graphs.split(","):
@@ -219,7 +226,7 @@ def main(argv=None) -> int:
             try:
                 results["graphs"][g][m] = run_model(wl, a.reps, a.warmup,
                                                     lambda s: print(s, flush=True), only,
-                                                    meter)
+                                                    meter, a.precision)
             except Exception:  # noqa: BLE001 - keep the other models' results
                 results["graphs"][g][m] = {"error": traceback.format_exc()}
                 print(traceback.format_exc(), flush=True)

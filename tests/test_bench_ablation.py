@@ -39,3 +39,14 @@ def test_some_configurations_only_and_their_memory():
     assert all(e["status"] == "ok" and e["max_rel_diff"] <= 1e-3 for e in entry.values())
     for e in entry.values():
         assert e["memory"]["status"] == "ok" and e["memory"]["extra_mb"] > 0, e["memory"]
+
+
+def test_bfloat16_configurations():
+    """``--precision bf16``: every configuration compiles with bfloat16 activations (and
+    stays the same function as ``all``)."""
+    entry = run_model(W.make("gcn", "cora", 2, 16, 1), reps=1, warmup=0, log=lambda s: None,
+                      only=["all", "-loss-rows"], precision="bf16")
+    fp32 = run_model(W.make("gcn", "cora", 2, 16, 1), reps=1, warmup=0, log=lambda s: None,
+                     only=["all"])
+    assert all(e["status"] == "ok" and e["bfloat16_buffers"] > 0 for e in entry.values())
+    assert fp32["all"]["bfloat16_buffers"] == 0
