@@ -72,11 +72,10 @@ def make_trainer(wl, disabled: frozenset, sparse: bool, reorder: str, loss_rows:
     variants = {} if sparse else {k: False for k in art.plan.variants}
     options = {"variants": variants, "reorder": reorder, "loss_rows": loss_rows}
     tr = Trainer(art, wl.graph, **options)
-    bf16 = [k for k, v in art.train_plan.buffers.items() if v["dtype"] == "bfloat16"]
+    bf16 = sum(v["dtype"] == "bfloat16" for v in art.train_plan.buffers.values())
     return tr, options, {"compile_s": compile_s, "bind_s": tr.bind_time_s,
-                         "bfloat16_buffers": len(bf16),
-                "kernel_calls": len(tr._binding.steps),
-                "planned_mb": tr._binding.memory.get("total_bytes", 0) / 2**20}
+                         "bfloat16_buffers": bf16, "kernel_calls": len(tr._binding.steps),
+                         "planned_mb": tr._binding.memory.get("total_bytes", 0) / 2**20}
 
 
 def configurations() -> dict[str, dict]:

@@ -1,8 +1,9 @@
 """Rows the masked loss does not read (``gcomp/codegen/loss_rows.py``): which steps run on
 the training mask's rows alone, and training steps that give the float64 interpreter's
-loss and gradients with them, whatever the rows past the mask held before.  Loss rows apply where every aggregation runs
-in CSR; the tests ask for CSR, since the cost model's choice on graphs this small follows
-the machine's calibration (ELL or dense may win on another machine)."""
+loss and gradients with them, whatever the rows past the mask held before.  Loss rows
+apply where every aggregation runs in CSR; the tests ask for CSR, since the cost model's
+choice on graphs this small follows the machine's calibration (ELL or dense may win on
+another machine)."""
 
 import numpy as np
 import pytest
@@ -154,7 +155,8 @@ def test_without_loss_rows_or_in_another_format_every_row_runs_the_same_steps():
     art = compile_model(m, train=True)
     runs = {"rows": Trainer(art, g, formats="csr"),
             "off": Trainer(art, g, formats="csr", loss_rows=False),
-            "none": Trainer(art, g, formats="csr", reorder="none"), "dense": Trainer(art, g, formats="dense")}
+            "none": Trainer(art, g, formats="csr", reorder="none"),
+            "dense": Trainer(art, g, formats="dense")}
     assert runs["rows"]._binding.dims["L"] < g.num_nodes
     for key in ("off", "none", "dense"):
         b = runs[key]._binding

@@ -249,12 +249,12 @@ def decide_layout(plan: Plan, graph: GraphData, features: dict | None = None,
     if formats != "auto":
         chosen, report = choose(sizes, block, formats)
     in_csr = all(fmt == "csr" for fmt in chosen.values())
-    if loss_rows is not None and in_csr and reorder != "none" \
-            and first_rows(order, loss_rows) is None:
+    count = first_rows(order, loss_rows) if loss_rows is not None and in_csr else None
+    if count is None and loss_rows is not None and in_csr and reorder != "none":
         # RCM, tried for the banded format, came out CSR: the mask's nodes go first in it
         order = mask_first(order, loss_rows)
         g, f, st, sizes, block = arrange(order)
-    count = first_rows(order, loss_rows) if loss_rows is not None and in_csr else None
+        count = first_rows(order, loss_rows)
     if count is not None:
         sizes["L"] = count
         sizes.update({f"E:{k}|L": v.into_first(count).num_edges for k, v in st.items()})
