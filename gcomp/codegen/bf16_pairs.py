@@ -15,14 +15,15 @@ from gcomp.codegen import epilogue as epi
 from gcomp.codegen.kernels import arg
 
 
-def product_args(K: int, M: int, extras: tuple, K2: int = 0):
+def product_args(K: int, M: int, extras: tuple, K2: int = 0, x_rows=None):
     """(n, products, extra, out): the arguments of a ``matmul`` kernel, named as
     ``cpu_kernels.matmul`` names them (the precision pass asks for them by name);
     ``products`` holds (x, w, K) of ``x @ w`` and, when ``K2``, of the second product
-    ``x2 @ w2``."""
+    ``x2 @ w2``.  ``x_rows``: x's row count where it is not the output's (x read
+    through a row index)."""
     f32 = "float32"
     n = tirx.Var("n", "int64")
-    products = [(arg("x", (n, K), f32), arg("w", (K, M), f32), K)]
+    products = [(arg("x", (n if x_rows is None else x_rows, K), f32), arg("w", (K, M), f32), K)]
     if K2:
         products.append((arg("x2", (n, K2), f32), arg("w2", (K2, M), f32), K2))
     extra = [arg(f"e{k}", epi.shape(kind, n, M), f32) for k, kind in enumerate(extras)]

@@ -229,17 +229,19 @@ def _prefetch(x, row, width: int, locality: int = 3) -> None:
 def _prefetch_share(arrays, first, rows: int, n, share, shares: int,
                     locality: int = 3) -> None:
     """Prefetch part ``share`` of ``shares`` of the lines of rows ``first .. first + rows -
-    1`` of each (array, width[, write[, locality]]) in ``arrays`` (rows past ``n - 1``
-    clamp to it; ``write``: for writing; ``locality`` as ``_prefetch_line``'s, the
-    array's own or the argument's).  Called once per share
+    1`` of each (array, width[, write[, locality[, index]]]) in ``arrays`` (rows past ``n -
+    1`` clamp to it; ``write``: for writing; ``locality`` as ``_prefetch_line``'s, the
+    array's own or the argument's; ``index``: the array's row of each row, for an array
+    read through a row index).  Called once per share
     while the work before those rows runs, it spreads their prefetches over that work:
     all of a block's lines asked for at once overran the core's queue of outstanding
     misses and most were dropped (the weight gradient 128 x 32 on arxiv-size rows, AMD
     EPYC Zen 3: 21.1 -> 11.7 ms; 32 x 32 5.1 -> 3.2; the row-group matmul below on the
     Intel Xeon)."""
     per_row = [(a[0], -(-a[1] // _per_line(a[0])), len(a) > 2 and a[2],
-                a[3] if len(a) > 3 else locality) for a in arrays]
-    row_lines = sum(lines for _, lines, _, _ in per_row)
+                a[3] if len(a) > 3 else locality, a[4] if len(a) > 4 else None)
+               for a in arrays]
+    row_lines = sum(lines for _, lines, _, _, _ in per_row)
     each = -(-rows * row_lines // shares)
     with T.serial(0, each) as u:
         line = share * each + u
@@ -247,9 +249,10 @@ def _prefetch_share(arrays, first, rows: int, n, share, shares: int,
         q = line % row_lines
         with _if(line < rows * row_lines):
             start = 0
-            for a, lines, write, loc in per_row:
+            for a, lines, write, loc, index in per_row:
                 with _if(tirx.all(start <= q, q < start + lines)):
-                    _prefetch_line(a, row, (q - start) * _per_line(a), write, loc)
+                    _prefetch_line(a, row if index is None else index[row],
+                                   (q - start) * _per_line(a), write, loc)
                 start += lines
 
 
@@ -625,7 +628,8 @@ def _matmul_cols(M: int, tuning: str) -> int:
 
 @definer("matmul", target="llvm")
 def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = (),
-           tuning: str = "default", amx: bool = False, dot_bf16: bool = False, K2: int = 0):
+           tuning: str = "default", amx: bool = False, dot_bf16: bool = False, K2: int = 0,
+           gather: bool = False):
     """out[i, j] = epilogue(sum_k x[i, k] * w[k, j]), R rows at a time: each row of w
     loaded serves R rows of x, whose sums stay in registers (the row-at-a-time schedule
     loads a row of w per multiply-add).  Rows past n in the last group repeat row n - 1
@@ -648,13 +652,19 @@ def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = (),
     ``K2``: a second product ``x2 @ w2`` (x2 [n, K2], w2 [K2, M]) summed into the same
     registers before the epilogue (``passes/fuse_epilogues.py``: GraphSAGE's
     ``lin_l(mean) + lin_r(x)``), so neither product's rows are stored and read back; None
-    where the row groups do not take either product (lowering then runs them apart)."""
+    where the row groups do not take either product (lowering then runs them apart).
+
+    ``gather`` (float32, one product): row i of x is ``x[rows[i]]``, for node features
+    read where the caller keeps them in another node order (``gather_rows.py``); in
+    groups of one row where groups do not pay (the scheduled kernel reads no index)."""
     R = _matmul_rows(K, M, tuning)
-    if R is None or K2 and _matmul_rows(K2, M, tuning) is None:
+    if gather and not K2:
+        R = R or 1
+    if R is None or K2 and (gather or _matmul_rows(K2, M, tuning) is None):
         return None
-    if amx and not K2 and stored_bf16("x") and amx_kernels.supported(K, M):
+    if amx and not K2 and not gather and stored_bf16("x") and amx_kernels.supported(K, M):
         return amx_kernels.matmul_amx(K, M, epilogue, extras)
-    if (dot_bf16 and stored_bf16("x") and dot_bf16_kernels.supported(K, M)
+    if (dot_bf16 and not gather and stored_bf16("x") and dot_bf16_kernels.supported(K, M)
             and (not K2 or stored_bf16("x2") and dot_bf16_kernels.supported(K2, M))):
         return dot_bf16_kernels.matmul_dot(K, M, epilogue, extras, K2,
                                            MM_INPUT_LOCALITY.get(tuning, 3))
@@ -664,18 +674,24 @@ def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = (),
         with T.prim_func():
             T.func_name("matmul")
             T.func_attr({"tirx.noalias": True})
-            n, products, extra, out = product_args(K, M, extras, K2)
+            n, products, extra, out = product_args(
+                K, M, extras, K2, tirx.Var("nx", "int64") if gather else None)
+            rows = arg("rows", (n,), "int64") if gather else None
             ahead = max(1, MM_AHEAD_BYTES // (R * (K + K2) * 4))  # groups
             steps = [Kp // min(MM_SHARE_K, Kp) for _, _, Kp in products]  # shares per tile
             shares = (M // TM) * sum(steps)
             loc = MM_INPUT_LOCALITY.get(tuning, 3)
-            reads = [(x, Kp, False, loc) for x, _, Kp in products]
+            reads = [(x, Kp, False, loc, rows if p == 0 else None)
+                     for p, (x, _, Kp) in enumerate(products)]
             with T.parallel(0, (n + R - 1) // R) as g:
                 acc = [_scratch((TM,)) for _ in range(R)]
+                at = [tirx.min(g * R + r, n - 1) for r in range(R)]
+                if gather:  # each x row's index loaded once per group
+                    at = [bound(rows[i]) for i in at]
 
                 def k_step(x, w, k, t):
                     for r in range(R):
-                        a = bound(x[tirx.min(g * R + r, n - 1), k])
+                        a = bound(x[at[r], k])
                         _features(TM, lambda j, r=r, a=a: T.buffer_store(
                             acc[r], acc[r][j] + a * w[k, t * TM + j], [j]))
                 with T.serial(0, M // TM) as t:
@@ -729,7 +745,8 @@ def _matmul_tn_tile(K: int, M: int, tuning: str = "default") -> tuple[int, int] 
 
 @definer("matmul_tn", target="llvm")
 def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = 16, amx: bool = False,
-              tuning: str = "default", sum_row: bool = False, dot_bf16: bool = False):
+              tuning: str = "default", sum_row: bool = False, dot_bf16: bool = False,
+              gather: bool = False):
     """out = x.T @ y (x: [n, K], y: [n, M]), weight gradients: ``chunks`` row ranges in
     parallel, each into its own partial [K, M] sum, added up at the end (deterministic).
     A range is walked in blocks of ``TN_BLOCK`` rows; for each TA x TB tile of the result,
@@ -742,15 +759,16 @@ def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = 16, amx: bool = F
     on one with AVX-512 BF16 but no tiles, the dot-product kernel
     (``dot_bf16_kernels.py``).
     ``sum_row``: a last row of y's column sums (a bias gradient), added while the block is
-    in L1."""
+    in L1.  ``gather``: row i of x is ``x[rows[i]]`` (as ``matmul``'s), with the register
+    tiles only."""
     if gpu:
         return None
-    if dot_bf16 and (stored_bf16("x") or stored_bf16("y")):  # any shape
+    if dot_bf16 and not gather and (stored_bf16("x") or stored_bf16("y")):  # any shape
         return dot_bf16_kernels.matmul_tn_dot(K, M, chunks, sum_row)
     tile = _matmul_tn_tile(K, M, tuning)
     if tile is None:
         return None
-    if (amx and not sum_row and (stored_bf16("x") or stored_bf16("y"))
+    if (amx and not sum_row and not gather and (stored_bf16("x") or stored_bf16("y"))
             and amx_kernels.tn_tiles(K, M)):
         return amx_kernels.matmul_tn_amx(K, M, chunks)
     TA, TB = tile
@@ -761,7 +779,9 @@ def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = 16, amx: bool = F
             T.func_name("matmul_tn")
             T.func_attr({"tirx.noalias": True})
             n = tirx.Var("n", i64)
-            x, y, out = _args([("x", (n, K), f32), ("y", (n, M), f32), ("out", (R, M), f32)])
+            nx = tirx.Var("nx", i64) if gather else n
+            x, y, out = _args([("x", (nx, K), f32), ("y", (n, M), f32), ("out", (R, M), f32)])
+            index = arg("rows", (n,), i64) if gather else None
             part = T.alloc_buffer((P, R, M), f32)
             with T.parallel(0, P) as p:
                 lo, hi = _row_range(n, p, P)
@@ -777,8 +797,9 @@ def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = 16, amx: bool = F
                                 acc[t], part[p, a0 * TA + t, b0 * TB + j], [j]))
 
                         def add_row(i):
+                            xi = i if index is None else bound(index[i])
                             for t in range(TA):
-                                v = bound(x[i, a0 * TA + t])
+                                v = bound(x[xi, a0 * TA + t])
                                 _features(TB, lambda j, t=t, v=v, i=i: T.buffer_store(
                                     acc[t], acc[t][j] + v * y[i, b0 * TB + j], [j]))
                         if ahead is None:
@@ -787,7 +808,8 @@ def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = 16, amx: bool = F
                         else:
                             per = TN_BLOCK // TN_SHARE_ROWS
                             with T.serial(0, per) as c:
-                                _prefetch_share([(x, K), (y, M)], ahead, TN_BLOCK, n,
+                                _prefetch_share([(x, K, False, 3, index), (y, M)], ahead,
+                                                TN_BLOCK, n,
                                                 (a0 * (M // TB) + b0) * per + c,
                                                 (K // TA) * (M // TB) * per)
                                 with T.serial(0, TN_SHARE_ROWS) as r:

@@ -90,6 +90,9 @@ class Binding:
     # node input -> {"need": alignment, "uses": [(list, index, arg, shape, own tensor)]}:
     # where the kernels may read it in the caller's array (Executor._in_place_uses)
     in_place: dict = field(default_factory=dict)
+    # node inputs the kernels read in the caller's node order, through ``order``
+    # (codegen/gather_rows.py): fed as given, never permuted
+    gathered: set = field(default_factory=set)
     # values (an input or a feed step's result) -> the SparseFeatures their sparse-feature
     # kernels read, and those arrays as kernel arguments (Executor._moved)
     sparse: dict = field(default_factory=dict)
@@ -305,6 +308,15 @@ class Executor:
                 b = plan.buffers[name]
                 self.store[name] = self.tensor(np.zeros(_resolve(b["dims"], {}), b["dtype"]))
         self._binding: Binding | None = None
+        # node inputs whose every reading step has a form reading them through the order
+        readers: dict[str, list] = {}
+        for s in plan.feed_steps + plan.steps:
+            for a in s["args"]:
+                if "buf" in a:
+                    readers.setdefault(plan.buffers[a["buf"]].get("alias", a["buf"]), []).append(s)
+        self._gatherable = {i["name"] for i in self.node_inputs()
+                            if readers.get(i["name"]) and all("gather" in s
+                                                              for s in readers[i["name"]])}
         self._feed_flags = tvm.runtime.empty((FEED_PARTS,), "int32", self.device)
         self._match_flags = tvm.runtime.empty((2 * FEED_PARTS,), "int32", self.device)
         self.force_variants: dict[str, bool] = {}  # variant key -> on/off, overriding the choice
@@ -413,13 +425,15 @@ class Executor:
 
         first = sizes["L"] if sizes["L"] < sizes["N"] else None  # loss rows, numbered first
 
-        def graph_array(gname: str, array: str, rows: str | None = None):
-            key = (gname, array, rows)
+        def graph_array(gname: str, array: str, rows: str | None = None, through=None):
+            key = (gname, array, rows, through is not None)
             if key not in arrays:
                 a = structures[gname].array(array)
                 if rows is not None and first is not None:  # codegen/loss_rows.py
                     a = (a[:first + 1] if array == "indptr"
                          else structures[gname].into_first(first).array(array))
+                if through is not None:  # rows numbered as the caller's (gather_rows.py)
+                    a = through[a].astype(a.dtype)
                 # on the CPU the kernels read the structure's own arrays (a copy would
                 # double the graph's memory: 20 MB of CSR and CSC on arxiv-size); not
                 # empty ones, whose numpy strides TVM calls non-compact
@@ -475,13 +489,32 @@ class Executor:
                     if s.get("when", None) in active | {None} and s.get("unless") not in active
                     and not (s.get("tail") and first is None)  # no rows past the loss's
                     for args in [args_of(s)] if self._launchable(args)]
-        b.feed_steps = [(s, self.functions[s["kernel"]], args)
-                        for s, args in selected(self.plan.feed_steps)]
+        # with the nodes numbered anew, kernels read the features in the caller's order
+        b.gathered = (self._gatherable & roots) if order is not None and self.on_cpu else set()
+
+        def through_order(s, args):
+            g = s.get("gather")
+            root = root_of.get(s["args"][g["arg"]]["buf"]) if g else None
+            if root not in b.gathered:
+                return s, args
+            args = list(args)
+            if g["via"] == "indices":
+                a = s["args"][1]
+                args[1] = graph_array(a["graph"], a["array"], a.get("rows"), through=order)
+                return s, tuple(args)
+            n = int(args[g["arg"]].shape[0])
+            if ("order", n) not in arrays:
+                arrays["order", n] = _dlpack(np.ascontiguousarray(order[:n], np.int64))
+            args[g["arg"]] = buffers[root]
+            return {**s, "kernel": g["kernel"]}, (*args, arrays["order", n])
+        b.feed_steps = [(s, self.functions[s["kernel"]], args) for s, args in
+                        (through_order(*e) for e in selected(self.plan.feed_steps))]
         b.sparse = sparse  # _computed_variants adds the values it measures
         b.in_place = self._in_place_uses(b, derived, root_of)  # the feed steps' uses
         self._computed_variants(b, user_features, active, sparse)
         run = selected(self.plan.steps)
         run, layouts = self._in_formats(run, lay, graph_array, args_of)
+        run = [through_order(*e) for e in run]
         b.memory["layout_bytes"] = sum(int(np.prod(t.shape)) * np.dtype(t.dtype).itemsize
                                        for t in layouts)
         b.memory["total_bytes"] += b.memory["layout_bytes"]
@@ -794,16 +827,17 @@ class Executor:
         want = _resolve(inp["dims"], binding.dims)
         read = name in binding.reads if read is None else read
         place = binding.in_place.get(name)
+        as_given = binding.order is None or name in binding.gathered  # rows in the user's order
         kernel = None
         if (isinstance(value, np.ndarray) and value.dtype == np.float32 and value.shape == want
                 and want[0] > 0 and value.flags.c_contiguous):
             # one kernel reads the caller's array (alignment: any) and checks it, and
             # copies it in unless every kernel reading it can read it where it is
-            in_place = (read and binding.order is None and place is not None
+            in_place = (read and as_given and place is not None
                         and _alignment(value) >= place["need"])
             if "check_kernel" in inp and (in_place or not read):
                 kernel, out = inp["check_kernel"], ()
-            elif "feed_kernel" in inp and read and binding.order is None:
+            elif "feed_kernel" in inp and read and as_given:
                 kernel, out = inp["feed_kernel"], (binding.buffers[name],)
         if kernel is not None:
             self.functions[kernel](_dlpack(value, require_alignment=0), *out,
@@ -816,7 +850,7 @@ class Executor:
         x = self._checked(binding, inp, value)
         if read:
             dest = binding.buffers[name]
-            if binding.order is None:
+            if as_given:
                 dest.copyfrom(x)
             elif self.on_cpu and str(dest.dtype) == str(x.dtype):
                 # the rows in the bound order, straight into the buffer (no copy between)
