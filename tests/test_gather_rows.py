@@ -68,6 +68,20 @@ def test_training_on_the_loss_rows_reads_the_callers_features(name, F):
     assert np.array_equal(g.x, given)
 
 
+def test_training_in_a_scattered_order_copies_the_features_once():
+    """A training binding in a degree order (the caller's rows in many runs) copies the
+    features in that order once, rather than every step writing its products' rows at
+    random; the step is still the interpreter's."""
+    g = labelled(awkward_graph(num_nodes=90, num_edges=500, num_features=40, seed=7), 3, 0.6,
+                 seed=1)
+    m = models.build("sage", 40, hidden=8, out_channels=3, layers=3, seed=3)
+    tr = Trainer(compile_model(m, train=True), g, formats="csr", reorder="degree")
+    b = tr._binding
+    assert np.count_nonzero(np.diff(b.order) < 0) > 8
+    assert b.gathered == set() and not b.reads_callers("x")
+    poisoned_step_is_the_interpreters(tr, m, g)
+
+
 @pytest.mark.parametrize("reorder", ["degree", "rcm"])
 def test_inference_in_a_locality_order_reads_the_callers_features(reorder):
     """A bound order for locality: outputs in the user's order as the interpreter's, the
@@ -88,3 +102,26 @@ def test_inference_in_a_locality_order_reads_the_callers_features(reorder):
     assert not fed.reads_callers("x")
     ex.execute(fed)
     assert rel_err(ex.outputs(fed)[0], ref) <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["gcn", "sage", "gin"])
+def test_bf16_steps_read_the_callers_features(name):
+    """bfloat16 activations (Mixed precision): the features' bfloat16 copy (where the
+    products read one) is made from the caller's rows into the bound ones, and
+    aggregations storing bfloat16 gather them through the order; with gcomp's own float32
+    buffer for them NaN, steps on the loss rows give the steps on every row in the
+    caller's order."""
+    g = labelled(awkward_graph(num_nodes=80, num_edges=400, num_features=40, seed=9), 3, 0.5)
+    m = models.build(name, 40, hidden=16, out_channels=3, layers=3, seed=2)
+    art = compile_model(m, train=True, precision="bf16")
+    assert all("gather" in s for s in readers_of(art.train_plan, "x"))
+    rows = Trainer(art, g, formats="csr")
+    every = Trainer(art, g, formats="csr", loss_rows=False)
+    b = rows._binding
+    assert b.order is not None and b.gathered == {"x"} and every._binding.order is None
+    b.buffers["x"].copyfrom(np.full(tuple(b.buffers["x"].shape), np.nan, np.float32))
+    for _ in range(3):
+        a, e = rows.step(), every.step()
+        assert abs(a - e) <= 1e-3 * abs(e)
+        for k, v in every.gradients().items():
+            assert rel_err(rows.gradients()[k], v) <= 2e-2, k

@@ -326,22 +326,23 @@ def test_weight_gradient_in_row_blocks(K, M, sum_row, tuning):
 @pytest.mark.parametrize("tuning,K,M", [("default", 128, 32), ("default", 5, 16),
                                      ("default", 32, 40), ("avx512", 16, 16),
                                      ("avx2", 128, 130)])
-def test_products_read_x_rows_through_an_index(tuning, K, M):
-    """``gather``: x @ w and x.T @ y read row i of x at ``rows[i]`` (features kept in the
-    caller's node order, the product's rows in another; x longer than the rows read, as
-    the loss's first rows read a prefix), also where row groups would not pay (K = 5)
-    and with a bias gradient row; against float64 of ``x[rows]``."""
+def test_products_of_x_in_another_row_order(tuning, K, M):
+    """``x_order``: x @ w and x.T @ y with x's row j standing for the product's row
+    ``rows[j]`` (features kept in the caller's node order, the product's rows in another;
+    rows past the product's n skipped, as where the loss's first rows are the product's),
+    also where row groups would not pay (K = 5) and with a bias gradient row; against
+    float64 of x in the product's order."""
     import tvm
     from gcomp.codegen.build import make_target
     from gcomp.codegen.cpu_kernels import _matmul_tn_tile, matmul, matmul_tn
     target = tvm.target.Target(make_target("llvm"))
     chain = (("add", (), 0, False), ("relu", (), None, False))
-    mm = matmul(K, M, epilogue=chain, extras=("vec",), tuning=tuning, gather=True)
+    mm = matmul(K, M, epilogue=chain, extras=("vec",), tuning=tuning, x_order=True)
     mm = tvm.compile(tvm.IRModule({"mm": mm.with_attr("global_symbol", "mm")}),
                      target=target)["mm"]
     tn = None
     if _matmul_tn_tile(K, M, tuning) is not None:
-        tn = matmul_tn(K, M, tuning=tuning, sum_row=True, gather=True)
+        tn = matmul_tn(K, M, tuning=tuning, sum_row=True, x_order=True)
         tn = tvm.compile(tvm.IRModule({"tn": tn.with_attr("global_symbol", "tn")}),
                          target=target)["tn"]
     rng = np.random.default_rng(K * M + 1)
@@ -349,11 +350,13 @@ def test_products_read_x_rows_through_an_index(tuning, K, M):
     b = rng.standard_normal(M).astype(np.float32)
     for n, nx in ((0, 3), (1, 1), (67, 90), (1000, 1000), (1600, 2000)):
         x = rng.standard_normal((nx, K)).astype(np.float32)
-        rows = rng.permutation(nx)[:n].astype(np.int64)
+        order = rng.permutation(nx)  # the product's row i is x's row order[i]
+        rows = np.empty(nx, np.int64)
+        rows[order] = np.arange(nx)
         out = tvm.runtime.tensor(np.full((n, M), np.nan, np.float32))
         mm(tvm.runtime.tensor(x), tvm.runtime.tensor(w), tvm.runtime.tensor(b), out,
            tvm.runtime.tensor(rows))
-        xr = x[rows].astype(np.float64)
+        xr = x[order[:n]].astype(np.float64)
         ref = np.maximum(xr @ w + b, 0.0)
         assert np.abs(out.numpy() - ref).max(initial=0.0) <= 1e-5 * max(1.0, np.abs(ref).max(initial=0.0)), n
         if tn is None:

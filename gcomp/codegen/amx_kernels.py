@@ -36,9 +36,9 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
 from gcomp.codegen import epilogue as epi
-from gcomp.codegen.cpu_kernels import _features, _prefetch_share, _row_range
+from gcomp.codegen.cpu_kernels import _features, _if, _prefetch_share, _row_range
 from gcomp.codegen.bf16_pairs import pack_weight_pairs, product_args
-from gcomp.codegen.kernels import arg, definer, stored_bf16
+from gcomp.codegen.kernels import arg, bound, definer, stored_bf16
 
 ROWS = 16      # rows of an x tile and of a sums tile
 COLS = 16      # float32 columns of a sums tile
@@ -385,20 +385,30 @@ def matmul_tn_amx(K: int, M: int, chunks: int):
 
 
 @definer("round_rows", target="llvm")
-def round_rows(F: int):
+def round_rows(F: int, x_order: bool = False):
     """out = x, stored as its spec says (bfloat16: rounded once): the node features'
     bfloat16 copy that the tile products read, made when features are fed
     (``precision._round_features``).  Rows in parallel; any 4-byte alignment of x, so
-    the caller's array is read where it is."""
+    the caller's array is read where it is.  ``x_order``: x [nx, F] in another row
+    order, its row j being row ``rows[j]`` of out (none where that is n or more), as
+    ``cpu_kernels.matmul``'s (``gather_rows.py``)."""
     with IRBuilder() as ib:
         with T.prim_func():
             T.func_name("round_rows")
             T.func_attr({"tirx.noalias": True})
             n = tirx.Var("n", "int64")
-            x = arg("x", (n, F), "float32")
+            nx = tirx.Var("nx", "int64") if x_order else n
+            x = arg("x", (nx, F), "float32")
             out = arg("out", (n, F), "float32")
+            rows = arg("rows", (nx,), "int64") if x_order else None
             with T.parallel(0, CHUNKS) as p:
-                lo, hi = _row_range(n, p, CHUNKS)
+                lo, hi = _row_range(nx, p, CHUNKS)
                 with T.serial(0, hi - lo) as r:
-                    _features(F, lambda f: T.buffer_store(out, x[lo + r, f], [lo + r, f]))
+                    j = lo + r
+                    if rows is None:
+                        _features(F, lambda f: T.buffer_store(out, x[j, f], [j, f]))
+                    else:
+                        i = bound(rows[j])
+                        with _if(i < n):
+                            _features(F, lambda f: T.buffer_store(out, x[j, f], [i, f]))
     return ib.get()

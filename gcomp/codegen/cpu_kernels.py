@@ -231,8 +231,8 @@ def _prefetch_share(arrays, first, rows: int, n, share, shares: int,
     """Prefetch part ``share`` of ``shares`` of the lines of rows ``first .. first + rows -
     1`` of each (array, width[, write[, locality[, index]]]) in ``arrays`` (rows past ``n -
     1`` clamp to it; ``write``: for writing; ``locality`` as ``_prefetch_line``'s, the
-    array's own or the argument's; ``index``: the array's row of each row, for an array
-    read through a row index).  Called once per share
+    array's own or the argument's; ``index``: a function giving the array's row of each
+    row, for an array written or read in another row order).  Called once per share
     while the work before those rows runs, it spreads their prefetches over that work:
     all of a block's lines asked for at once overran the core's queue of outstanding
     misses and most were dropped (the weight gradient 128 x 32 on arxiv-size rows, AMD
@@ -251,7 +251,7 @@ def _prefetch_share(arrays, first, rows: int, n, share, shares: int,
             start = 0
             for a, lines, write, loc, index in per_row:
                 with _if(tirx.all(start <= q, q < start + lines)):
-                    _prefetch_line(a, row if index is None else index[row],
+                    _prefetch_line(a, row if index is None else index(row),
                                    (q - start) * _per_line(a), write, loc)
                 start += lines
 
@@ -629,7 +629,7 @@ def _matmul_cols(M: int, tuning: str) -> int:
 @definer("matmul", target="llvm")
 def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = (),
            tuning: str = "default", amx: bool = False, dot_bf16: bool = False, K2: int = 0,
-           gather: bool = False):
+           x_order: bool = False):
     """out[i, j] = epilogue(sum_k x[i, k] * w[k, j]), R rows at a time: each row of w
     loaded serves R rows of x, whose sums stay in registers (the row-at-a-time schedule
     loads a row of w per multiply-add).  Rows past n in the last group repeat row n - 1
@@ -654,17 +654,21 @@ def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = (),
     ``lin_l(mean) + lin_r(x)``), so neither product's rows are stored and read back; None
     where the row groups do not take either product (lowering then runs them apart).
 
-    ``gather`` (float32, one product): row i of x is ``x[rows[i]]``, for node features
-    read where the caller keeps them in another node order (``gather_rows.py``); in
+    ``x_order`` (float32, one product): x [nx, K] holds its rows in another order, node
+    features where the caller keeps them (``gather_rows.py``): row j of x is row
+    ``rows[j]`` of the product (none where that is n or more), so x is read in order and
+    the narrower output rows are written out of it (gathering x's rows instead took
+    128 -> 32 on arxiv-size rows, the training mask's 60% first, 6.7 -> 9.0 ms on the AMD
+    EPYC Zen 4: the hardware's prefetches fetched the rows skipped in each part); in
     groups of one row where groups do not pay (the scheduled kernel reads no index)."""
     R = _matmul_rows(K, M, tuning)
-    if gather and not K2:
+    if x_order and not K2:
         R = R or 1
-    if R is None or K2 and (gather or _matmul_rows(K2, M, tuning) is None):
+    if R is None or K2 and (x_order or _matmul_rows(K2, M, tuning) is None):
         return None
-    if amx and not K2 and not gather and stored_bf16("x") and amx_kernels.supported(K, M):
+    if amx and not K2 and not x_order and stored_bf16("x") and amx_kernels.supported(K, M):
         return amx_kernels.matmul_amx(K, M, epilogue, extras)
-    if (dot_bf16 and not gather and stored_bf16("x") and dot_bf16_kernels.supported(K, M)
+    if (dot_bf16 and not x_order and stored_bf16("x") and dot_bf16_kernels.supported(K, M)
             and (not K2 or stored_bf16("x2") and dot_bf16_kernels.supported(K2, M))):
         return dot_bf16_kernels.matmul_dot(K, M, epilogue, extras, K2,
                                            MM_INPUT_LOCALITY.get(tuning, 3))
@@ -674,24 +678,23 @@ def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = (),
         with T.prim_func():
             T.func_name("matmul")
             T.func_attr({"tirx.noalias": True})
-            n, products, extra, out = product_args(
-                K, M, extras, K2, tirx.Var("nx", "int64") if gather else None)
-            rows = arg("rows", (n,), "int64") if gather else None
+            nx = tirx.Var("nx", "int64") if x_order else None
+            n, products, extra, out = product_args(K, M, extras, K2, nx)
+            rows = arg("rows", (nx,), "int64") if x_order else None
+            nx = n if nx is None else nx
             ahead = max(1, MM_AHEAD_BYTES // (R * (K + K2) * 4))  # groups
             steps = [Kp // min(MM_SHARE_K, Kp) for _, _, Kp in products]  # shares per tile
             shares = (M // TM) * sum(steps)
             loc = MM_INPUT_LOCALITY.get(tuning, 3)
-            reads = [(x, Kp, False, loc, rows if p == 0 else None)
-                     for p, (x, _, Kp) in enumerate(products)]
-            with T.parallel(0, (n + R - 1) // R) as g:
+            reads = [(x, Kp, False, loc) for x, _, Kp in products]
+            written = (out, M, True) if rows is None else \
+                (out, M, True, 3, lambda j: tirx.max(tirx.min(rows[j], n - 1), 0))
+            with T.parallel(0, (nx + R - 1) // R) as g:
                 acc = [_scratch((TM,)) for _ in range(R)]
-                at = [tirx.min(g * R + r, n - 1) for r in range(R)]
-                if gather:  # each x row's index loaded once per group
-                    at = [bound(rows[i]) for i in at]
 
                 def k_step(x, w, k, t):
                     for r in range(R):
-                        a = bound(x[at[r], k])
+                        a = bound(x[tirx.min(g * R + r, nx - 1), k])
                         _features(TM, lambda j, r=r, a=a: T.buffer_store(
                             acc[r], acc[r][j] + a * w[k, t * TM + j], [j]))
                 with T.serial(0, M // TM) as t:
@@ -702,7 +705,7 @@ def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = (),
                     for (x, w, Kp), count in zip(products, steps):
                         KS = min(MM_SHARE_K, Kp)
                         with T.serial(0, count) as s:
-                            _prefetch_share(reads + [(out, M, True)], (g + ahead) * R, R, n,
+                            _prefetch_share(reads + [written], (g + ahead) * R, R, nx,
                                             t * sum(steps) + first + s, shares)
                             with T.serial(0, KS) as k:
                                 k_step(x, w, s * KS + k, t)
@@ -711,14 +714,16 @@ def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = (),
                                 k_step(x, w, k, t)
                         first += count
                     for r in range(R):
-                        i = g * R + r
-                        with _if(i < n):
+                        with _if(g * R + r < nx):
+                            i = g * R + r if rows is None else bound(rows[g * R + r])
+
                             def store(j, r=r, i=i):
                                 c = t * TM + j
                                 res = epi.apply(epilogue, acc[r][j],
                                                 lambda e: extra[e][epi.index(extras[e], i, c)])
                                 T.buffer_store(out, res, [i, c])
-                            _features(TM, store)
+                            with _if(i < n):
+                                _features(TM, store)
     return ib.get()
 
 
@@ -746,7 +751,7 @@ def _matmul_tn_tile(K: int, M: int, tuning: str = "default") -> tuple[int, int] 
 @definer("matmul_tn", target="llvm")
 def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = 16, amx: bool = False,
               tuning: str = "default", sum_row: bool = False, dot_bf16: bool = False,
-              gather: bool = False):
+              x_order: bool = False):
     """out = x.T @ y (x: [n, K], y: [n, M]), weight gradients: ``chunks`` row ranges in
     parallel, each into its own partial [K, M] sum, added up at the end (deterministic).
     A range is walked in blocks of ``TN_BLOCK`` rows; for each TA x TB tile of the result,
@@ -759,16 +764,17 @@ def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = 16, amx: bool = F
     on one with AVX-512 BF16 but no tiles, the dot-product kernel
     (``dot_bf16_kernels.py``).
     ``sum_row``: a last row of y's column sums (a bias gradient), added while the block is
-    in L1.  ``gather``: row i of x is ``x[rows[i]]`` (as ``matmul``'s), with the register
-    tiles only."""
+    in L1.  ``x_order``: x [nx, K] holds its rows in another order, row j of x being row
+    ``rows[j]`` of y (none where that is n or more), as ``matmul``'s; x is read in order,
+    y's narrower rows out of it; with the register tiles only."""
     if gpu:
         return None
-    if dot_bf16 and not gather and (stored_bf16("x") or stored_bf16("y")):  # any shape
+    if dot_bf16 and not x_order and (stored_bf16("x") or stored_bf16("y")):  # any shape
         return dot_bf16_kernels.matmul_tn_dot(K, M, chunks, sum_row)
     tile = _matmul_tn_tile(K, M, tuning)
     if tile is None:
         return None
-    if (amx and not sum_row and not gather and (stored_bf16("x") or stored_bf16("y"))
+    if (amx and not sum_row and not x_order and (stored_bf16("x") or stored_bf16("y"))
             and amx_kernels.tn_tiles(K, M)):
         return amx_kernels.matmul_tn_amx(K, M, chunks)
     TA, TB = tile
@@ -779,14 +785,26 @@ def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = 16, amx: bool = F
             T.func_name("matmul_tn")
             T.func_attr({"tirx.noalias": True})
             n = tirx.Var("n", i64)
-            nx = tirx.Var("nx", i64) if gather else n
+            nx = tirx.Var("nx", i64) if x_order else n
             x, y, out = _args([("x", (nx, K), f32), ("y", (n, M), f32), ("out", (R, M), f32)])
-            index = arg("rows", (n,), i64) if gather else None
+            index = arg("rows", (nx,), i64) if x_order else None
+
+            def y_rows(j, body):
+                """``body(i)`` for row i of y of x's row j, where it has one."""
+                if index is None:
+                    body(j)
+                    return
+                i = bound(index[j])
+                with _if(i < n):
+                    body(i)
             part = T.alloc_buffer((P, R, M), f32)
             with T.parallel(0, P) as p:
-                lo, hi = _row_range(n, p, P)
+                lo, hi = _row_range(nx, p, P)
                 with T.serial(0, R) as a:
                     _features(M, lambda j: T.buffer_store(part, tirx.const(0.0, f32), [p, a, j]))
+                y_row = None if index is None else \
+                    (lambda j: tirx.max(tirx.min(index[j], n - 1), 0))
+
                 def tiles(first, rows, ahead=None):
                     """Add rows first .. first + rows - 1 into the partial sum, tile by tile,
                     prefetching the ``TN_BLOCK`` rows from ``ahead`` on."""
@@ -796,20 +814,21 @@ def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = 16, amx: bool = F
                             _features(TB, lambda j, t=t: T.buffer_store(
                                 acc[t], part[p, a0 * TA + t, b0 * TB + j], [j]))
 
-                        def add_row(i):
-                            xi = i if index is None else bound(index[i])
-                            for t in range(TA):
-                                v = bound(x[xi, a0 * TA + t])
-                                _features(TB, lambda j, t=t, v=v, i=i: T.buffer_store(
-                                    acc[t], acc[t][j] + v * y[i, b0 * TB + j], [j]))
+                        def add_row(xi):
+                            def add(i):
+                                for t in range(TA):
+                                    v = bound(x[xi, a0 * TA + t])
+                                    _features(TB, lambda j, t=t, v=v: T.buffer_store(
+                                        acc[t], acc[t][j] + v * y[i, b0 * TB + j], [j]))
+                            y_rows(xi, add)
                         if ahead is None:
                             with T.serial(0, rows) as r:
                                 add_row(first + r)
                         else:
                             per = TN_BLOCK // TN_SHARE_ROWS
                             with T.serial(0, per) as c:
-                                _prefetch_share([(x, K, False, 3, index), (y, M)], ahead,
-                                                TN_BLOCK, n,
+                                _prefetch_share([(x, K), (y, M, False, 3, y_row)], ahead,
+                                                TN_BLOCK, nx,
                                                 (a0 * (M // TB) + b0) * per + c,
                                                 (K // TA) * (M // TB) * per)
                                 with T.serial(0, TN_SHARE_ROWS) as r:
@@ -823,9 +842,8 @@ def matmul_tn(K: int, M: int, gpu: bool = False, chunks: int = 16, amx: bool = F
                             _features(TB, lambda j: T.buffer_store(acc, part[p, K, b0 * TB + j],
                                                                    [j]))
                             with T.serial(0, rows) as r:
-                                i = first + r
-                                _features(TB, lambda j, i=i: T.buffer_store(
-                                    acc, acc[j] + y[i, b0 * TB + j], [j]))
+                                y_rows(first + r, lambda i: _features(TB, lambda j: T.buffer_store(
+                                    acc, acc[j] + y[i, b0 * TB + j], [j])))
                             _features(TB, lambda j: T.buffer_store(part, acc[j],
                                                                    [p, K, b0 * TB + j]))
                 full = T.Bind((hi - lo) // TN_BLOCK)
