@@ -722,8 +722,11 @@ def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = (),
                                 res = epi.apply(epilogue, acc[r][j],
                                                 lambda e: extra[e][epi.index(extras[e], i, c)])
                                 T.buffer_store(out, res, [i, c])
-                            with _if(i < n):
+                            if rows is None:
                                 _features(TM, store)
+                            else:
+                                with _if(i < n):  # a row past the product's (loss rows)
+                                    _features(TM, store)
     return ib.get()
 
 

@@ -68,13 +68,11 @@ def _offer(plan: Plan, specs: dict, target: dict) -> None:
                 step["gather"] = {"kernel": gathered.name, "arg": i, "via": "rows"}
         elif (spec.kind == "csr_agg" and "formats" not in step
               and step["args"][1].get("array") in ("indices", "csc_indices")
-              and i == _source_arg(spec)):
+              and i == _gathered_arg(step, spec)):
             step["gather"] = {"arg": i, "via": "indices"}
 
 
-def _source_arg(spec: KernelSpec) -> int:
-    """The position of x, the gathered rows, among a CPU ``csr_agg``'s arguments:
-    indptr, indices, then eid (indirect weights) and the weights where it has them."""
-    p = spec.p
-    weighted = p["weight"] != "none"
-    return 2 + int(weighted and p.get("indirect", False)) + int(weighted)
+def _gathered_arg(step: dict, spec: KernelSpec) -> int:
+    """The position of x, the gathered rows, among an aggregation's arguments: before
+    its epilogue's extras and its output (as lowering's ``formats["tail"]``)."""
+    return len(step["args"]) - len(spec.p.get("extras", ())) - 2
