@@ -1,4 +1,10 @@
-"""Memory planning: buffers share storage only when their lifetimes never overlap."""
+"""Memory planning: buffers share storage only when their lifetimes never overlap; and
+what a bound graph holds on to after binding."""
+
+import sys
+
+import numpy as np
+import pytest
 
 import gcomp.models as models
 from gcomp.codegen.lower import lower
@@ -218,3 +224,80 @@ def test_an_input_also_read_elsewhere_in_the_step_keeps_its_storage():
     plan.steps[1]["args"][0] = {"buf": "x"}  # x @ w + a: now a may be overwritten
     mem = plan_memory(plan, {"N": 1000})
     assert mem.slots["out"] == mem.slots["a"]
+
+
+def test_a_binding_keeps_none_of_the_graph_structures_it_built(monkeypatch):
+    """The CSR/CSC structures, with what derived them (argsorts, self-loop origins, the
+    edges into the loss rows), are freed when the bind returns, not at the garbage
+    collector's next pass: the binding holds only the kernels' arrays, and no structure
+    is in a reference cycle.  GCN's self loops, a training mask (loss rows), and GAT,
+    whose attention kernels read the CSC."""
+    import gc
+    import weakref
+
+    import gcomp.runtime.executor as executor
+    from conftest import awkward_graph
+    from gcomp.compiler import compile_model
+    from gcomp.runtime.trainer import Trainer
+
+    built = []
+    structures_of = executor.structures_of
+
+    def recorded(*args):
+        st = structures_of(*args)
+        built.extend(weakref.ref(s) for s in st.values())
+        return st
+    monkeypatch.setattr(executor, "structures_of", recorded)
+    for name in ("gcn", "gat"):
+        g = awkward_graph(num_nodes=90, num_edges=500, num_features=6, seed=7)
+        rng = np.random.default_rng(1)
+        g.y = rng.integers(0, 3, g.num_nodes)
+        g.train_mask = rng.random(g.num_nodes) < 0.3
+        g.val_mask = g.test_mask = ~g.train_mask
+        art = compile_model(models.build(name, 6, hidden=8, out_channels=3, layers=2, heads=2,
+                                         seed=3), train=True)
+        built.clear()
+        gc.disable()
+        try:
+            tr = Trainer(art, g, formats="csr")
+            assert tr._binding.dims["L"] < g.num_nodes  # the loss rows' structures too
+            assert built and all(r() is None for r in built), name
+        finally:
+            gc.enable()
+
+
+HEAP_SCRIPT = """
+import numpy as np
+from gcomp.runtime.host_heap import release_free_heap
+
+def rss_mb():
+    with open("/proc/self/status") as f:
+        return next(int(ln.split()[1]) / 1024 for ln in f if ln.startswith("VmRSS:"))
+if not release_free_heap():
+    raise SystemExit(3)
+big = np.ones(20 << 20, np.uint8)
+del big  # raises glibc's mmap threshold to 20 MB: 8 MB arrays come from the heap
+freed, kept = [], []
+for _ in range(12):
+    freed.append(np.ones(8 << 20, np.uint8))
+    kept.append(np.ones(1 << 16, np.uint8))
+del freed
+before = rss_mb()
+release_free_heap()
+print(before, rss_mb())
+"""
+
+
+def test_free_heap_pages_go_back_to_the_system():
+    """Arrays freed between live ones leave pages the process holds (glibc's heap, once a
+    larger free has raised its mmap threshold); ``release_free_heap`` returns them.  In a
+    fresh process: a long-lived one's heap has holes that would take the live arrays."""
+    import subprocess
+    if not sys.platform.startswith("linux"):
+        pytest.skip("glibc's malloc_trim on Linux")
+    p = subprocess.run([sys.executable, "-c", HEAP_SCRIPT], capture_output=True, text=True)
+    if p.returncode == 3:
+        pytest.skip("this C library has no malloc_trim")
+    assert p.returncode == 0, p.stderr
+    before, after = map(float, p.stdout.split())
+    assert before - after >= 64, (before, after)  # of the 96 MB freed

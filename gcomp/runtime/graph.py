@@ -78,6 +78,13 @@ def hub_split(indptr: np.ndarray, size: int | None = None) -> tuple[np.ndarray, 
     return np.stack([start, end, row_of], axis=1).astype(np.int64), rows
 
 
+def from_csr_order(values: np.ndarray, perm: np.ndarray) -> np.ndarray:
+    """Edge values in CSR order -> canonical order, ``perm`` a structure's ``perm``."""
+    out = np.empty_like(values)
+    out[perm] = values
+    return out
+
+
 class GraphStructure:
     def __init__(self, num_nodes: int, indptr, indices, rows, perm_fn, origin=None):
         self.num_nodes = int(num_nodes)
@@ -86,7 +93,6 @@ class GraphStructure:
         self.rows = rows
         self._perm_fn = perm_fn
         self._origin = origin
-        self._into_first: tuple | None = None  # (limit, its graph): into_first's last
 
     @property
     def num_edges(self) -> int:
@@ -151,26 +157,19 @@ class GraphStructure:
     def into_first(self, limit: int) -> "GraphStructure":
         """The same graph without the edges into rows ``limit`` and after: what an
         aggregation over out-edges of a tensor that is zero on those rows needs
-        (``codegen/loss_rows.py``); its CSC arrays keep the order of this one's."""
+        (``codegen/loss_rows.py``); its CSC arrays keep the order of this one's.  A new
+        structure on each call, which callers keep: cached here, the two would hold each
+        other, and their arrays would wait for the garbage collector."""
         if limit >= self.num_nodes:
             return self
-        if self._into_first is not None and self._into_first[0] == limit:
-            return self._into_first[1]
         end = int(self.indptr[limit])  # CSR order is by destination: a prefix of edges
-        sub = GraphStructure(self.num_nodes, self.indptr[:limit + 1], self.indices[:end], self.rows[:end],
-                             lambda: self.perm[:end])
-        self._into_first = (limit, sub)
-        return sub
+        return GraphStructure(self.num_nodes, self.indptr[:limit + 1], self.indices[:end],
+                              self.rows[:end], lambda: self.perm[:end])
 
     # ------------------------------------------------------------------ edge values
     def to_csr_order(self, values: np.ndarray) -> np.ndarray:
         """Edge values in canonical order -> CSR order."""
         return values[self.perm]
-
-    def from_csr_order(self, values: np.ndarray) -> np.ndarray:
-        out = np.empty_like(values)
-        out[self.perm] = values
-        return out
 
     # ------------------------------------------------------------------ construction
     @staticmethod
