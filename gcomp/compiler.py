@@ -16,7 +16,7 @@ from collections import Counter
 
 from gcomp.codegen.build import build_library, device_code_format, make_target
 from gcomp.codegen.calibrate import calibrate_formats, calibrate_sparse_threshold
-from gcomp.codegen.gather_rows import offer_gathers
+from gcomp.codegen.caller_order import offer_caller_order
 from gcomp.codegen.hub_split import split_hub_rows
 from gcomp.codegen.kernels import KernelSpec, define, has_amx, has_dot_bf16
 from gcomp.codegen.lower import lower
@@ -189,7 +189,7 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
         add_optimizer(train_plan, tspecs, opt, one_kernel=tgt["kind"] == "cuda")
         if tgt["kind"] == "llvm" and ctx.option("prefer") != "memory":
             # numbering the mask's nodes first copies the features where a kernel reading
-            # them has no form reading them through the order (gather_rows.py), and adds
+            # them has no form reading them through the order (caller_order.py), and adds
             # the CSC of the edges into the mask's rows: not when memory is preferred
             mark_loss_rows(train_plan, tspecs)
         specs = {**specs, **tspecs}
@@ -210,7 +210,7 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
         store_bf16([plan, train_plan], specs, tgt)
         specs = _used(specs, [plan, train_plan])
     if tgt["kind"] == "llvm":
-        offer_gathers([plan, train_plan], specs, tgt)
+        offer_caller_order([plan, train_plan], specs, tgt)
     _add_alignments([plan, train_plan], specs, tgt)
     lib_path = build_library(specs, tgt)
     params = {p.name: model.params[p.name] for p in model.graph.params}

@@ -391,7 +391,7 @@ def round_rows(F: int, x_order: bool = False):
     (``precision._round_features``).  Rows in parallel; any 4-byte alignment of x, so
     the caller's array is read where it is.  ``x_order``: x [nx, F] in another row
     order, its row j being row ``rows[j]`` of out (none where that is n or more), as
-    ``cpu_kernels.matmul``'s (``gather_rows.py``)."""
+    ``cpu_kernels.matmul``'s (``caller_order.py``)."""
     with IRBuilder() as ib:
         with T.prim_func():
             T.func_name("round_rows")

@@ -655,7 +655,7 @@ def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = (),
     where the row groups do not take either product (lowering then runs them apart).
 
     ``x_order`` (float32, one product): x [nx, K] holds its rows in another order, node
-    features where the caller keeps them (``gather_rows.py``): row j of x is row
+    features where the caller keeps them (``caller_order.py``): row j of x is row
     ``rows[j]`` of the product (none where that is n or more), so x is read in order and
     the narrower output rows are written out of it (gathering x's rows instead took
     128 -> 32 on arxiv-size rows, the training mask's 60% first, 6.7 -> 9.0 ms on the AMD

@@ -46,7 +46,7 @@ from gcomp.runtime.reorder import (choose_order, first_rows, inverse, mask_first
                                    relabel)
 
 # increasing runs of the caller's rows in a node order up to which a training binding
-# reads the features in the caller's order (``gather_rows.py``): arxiv-size 128 -> 32
+# reads the features in the caller's order (``caller_order.py``): arxiv-size 128 -> 32
 # products, AMD EPYC Zen 4, the mask's 60% first (2 runs) 6.9 ms either way, a random
 # order 6.9 -> 8.8 ms (rows of the output written at random)
 ORDER_SWEEPS = 8
@@ -101,8 +101,8 @@ class Binding:
     # where the kernels may read it in the caller's array (Executor._in_place_uses)
     in_place: dict = field(default_factory=dict)
     # node inputs the kernels read in the caller's node order, through ``order``
-    # (codegen/gather_rows.py): fed as given, never permuted
-    gathered: set = field(default_factory=set)
+    # (codegen/caller_order.py): fed as given, never permuted
+    caller_order: set = field(default_factory=set)
     # values (an input or a feed step's result) -> the SparseFeatures their sparse-feature
     # kernels read, and those arrays as kernel arguments (Executor._moved)
     sparse: dict = field(default_factory=dict)
@@ -324,8 +324,8 @@ class Executor:
             for a in s["args"]:
                 if "buf" in a:
                     readers.setdefault(plan.buffers[a["buf"]].get("alias", a["buf"]), []).append(s)
-        self._gatherable = {i["name"] for i in self.node_inputs()
-                            if readers.get(i["name"]) and all("gather" in s
+        self._caller_order_inputs = {i["name"] for i in self.node_inputs()
+                            if readers.get(i["name"]) and all("caller_order" in s
                                                               for s in readers[i["name"]])}
         self._feed_flags = tvm.runtime.empty((FEED_PARTS,), "int32", self.device)
         self._match_flags = tvm.runtime.empty((2 * FEED_PARTS,), "int32", self.device)
@@ -455,7 +455,7 @@ class Executor:
                         into_first[gname] = structures[gname].into_first(first)
                     a = (a[:first + 1] if array == "indptr"
                          else into_first[gname].array(array))
-                if through is not None:  # rows numbered as the caller's (gather_rows.py)
+                if through is not None:  # rows numbered as the caller's (caller_order.py)
                     a = through[a].astype(a.dtype)
                 # on the CPU the kernels read the structure's own arrays (a copy would
                 # double the graph's memory: 20 MB of CSR and CSC on arxiv-size); not
@@ -519,14 +519,14 @@ class Executor:
         # few increasing runs (the training mask's rows first); a training step reading
         # them in a scattered order would pay each step for what a copy pays once
         sweeps = 1 + int(np.count_nonzero(np.diff(order) < 0)) if order is not None else 0
-        b.gathered = (self._gatherable & roots
+        b.caller_order = (self._caller_order_inputs & roots
                       if order is not None and self.on_cpu
                       and (self.plan.loss is None or sweeps <= ORDER_SWEEPS) else set())
 
         def through_order(s, args):
-            g = s.get("gather")
+            g = s.get("caller_order")
             root = root_of.get(s["args"][g["arg"]]["buf"]) if g else None
-            if root not in b.gathered:
+            if root not in b.caller_order:
                 return s, args
             args = list(args)
             if g["via"] == "indices":
@@ -860,7 +860,7 @@ class Executor:
         want = _resolve(inp["dims"], binding.dims)
         read = name in binding.reads if read is None else read
         place = binding.in_place.get(name)
-        as_given = binding.order is None or name in binding.gathered  # rows in the user's order
+        as_given = binding.order is None or name in binding.caller_order  # rows in the user's order
         kernel = None
         if (isinstance(value, np.ndarray) and value.dtype == np.float32 and value.shape == want
                 and want[0] > 0 and value.flags.c_contiguous):

@@ -50,8 +50,8 @@ a graph value) or ints.
 * training plans: ``loss`` (buffer of the scalar loss) and ``grads``
   (parameter -> gradient buffer); their ``steps`` end with the optimizer
   updates, so one pass over ``steps`` is one whole training step.
-* ``gather`` on a step (CPU): the form of it that reads a node input in the caller's
-  node order where the runtime numbers nodes anew (``gcomp/codegen/gather_rows.py``).
+* ``caller_order`` on a step (CPU): the form of it that reads a node input in the caller's
+  node order where the runtime numbers nodes anew (``gcomp/codegen/caller_order.py``).
 * ``loss_rows`` (CPU training plans): ``{"mask": input}`` when steps may run on the rows
   of that mask alone, numbered first (``gcomp/codegen/loss_rows.py``): the dimension
   ``"L"`` is their count (N when the runtime does not order them first), a step marked
@@ -114,8 +114,8 @@ class Plan:
         seen = {}
         for s in self.bind_steps + self.feed_steps + self.steps:
             seen.setdefault(s["kernel"], None)
-            if "kernel" in s.get("gather", {}):
-                seen.setdefault(s["gather"]["kernel"], None)
+            if "kernel" in s.get("caller_order", {}):
+                seen.setdefault(s["caller_order"]["kernel"], None)
             for alt in ("kernels", "pack"):
                 for k in s.get("formats", {}).get(alt, {}).values():
                     seen.setdefault(k, None)

@@ -14,7 +14,7 @@ Expects: lowered CPU plans whose node inputs have their ``check_kernel``
 (``compiler._add_feed_kernels``), after the precision pass, and the specs of their
 kernels; ``target`` the target they are compiled for.
 Guarantees: a feed or run step that reads a float32 node input ``x`` once, with a
-kernel that can read it in the caller's order, carries ``"gather"``:
+kernel that can read it in the caller's order, carries ``"caller_order"``:
 
 * ``{"kernel": K, "arg": i, "via": "rows"}``: kernel K computes what the step's kernel
   does, with argument i, x, whole and in the caller's order, and one more argument: the
@@ -38,7 +38,7 @@ from gcomp.runtime.plan import Plan
 _PRODUCTS = ("matmul", "matmul_tn")  # x is their first argument
 
 
-def offer_gathers(plans, specs: dict, target: dict) -> None:
+def offer_caller_order(plans, specs: dict, target: dict) -> None:
     """Mark the steps of ``plans`` (module docstring), adding the kernels to ``specs``."""
     for plan in plans:
         if plan is not None:
@@ -62,14 +62,14 @@ def _offer(plan: Plan, specs: dict, target: dict) -> None:
             continue  # bfloat16 copies, and reshaped views, are no rows of the caller's
         if (spec.kind in _PRODUCTS and i == 0 and not stored and not spec.p.get("K2")
                 or spec.kind == "round_rows"):
-            gathered = KernelSpec.make(spec.kind, **spec.p, x_order=True)
-            if target_definition(gathered, target) is not None:  # else the scheduled kernel
-                specs[gathered.name] = gathered
-                step["gather"] = {"kernel": gathered.name, "arg": i, "via": "rows"}
+            ordered = KernelSpec.make(spec.kind, **spec.p, x_order=True)
+            if target_definition(ordered, target) is not None:  # else the scheduled kernel
+                specs[ordered.name] = ordered
+                step["caller_order"] = {"kernel": ordered.name, "arg": i, "via": "rows"}
         elif (spec.kind == "csr_agg" and "formats" not in step
               and step["args"][1].get("array") in ("indices", "csc_indices")
               and i == _gathered_arg(step, spec)):
-            step["gather"] = {"arg": i, "via": "indices"}
+            step["caller_order"] = {"arg": i, "via": "indices"}
 
 
 def _gathered_arg(step: dict, spec: KernelSpec) -> int:

@@ -1,4 +1,4 @@
-"""Node features read through the bound node order (``gcomp/codegen/gather_rows.py``):
+"""Node features read through the bound node order (``gcomp/codegen/caller_order.py``):
 which steps offer the form, and bound runs that number nodes anew (the training mask's
 rows first, a locality order) reading the caller's features in place, never permuted,
 with the float64 interpreter's results whatever gcomp's own feature buffer holds."""
@@ -32,14 +32,14 @@ def test_every_step_reading_the_features_has_a_form_through_the_order(name, form
     art = compile_model(m, train=True)
     plan = art.train_plan
     readers = readers_of(plan, "x")
-    assert {(kernel_kind(s["kernel"]), s["gather"]["via"]) for s in readers} == forms
+    assert {(kernel_kind(s["kernel"]), s["caller_order"]["via"]) for s in readers} == forms
     for s in readers:
-        g = s["gather"]
+        g = s["caller_order"]
         if g["via"] == "rows":
             assert kernel_kind(g["kernel"]) == kernel_kind(s["kernel"])
             assert g["kernel"] != s["kernel"] and g["kernel"] in plan.kernels()
         assert s["args"][g["arg"]]["buf"] == "x"
-    assert not any("gather" in s for s in plan.steps + plan.feed_steps
+    assert not any("caller_order" in s for s in plan.steps + plan.feed_steps
                    if s not in readers)
     art.executor()  # the library holds every kernel the plan names
 
@@ -60,7 +60,7 @@ def test_training_on_the_loss_rows_reads_the_callers_features(name, F):
     tr = Trainer(compile_model(m, train=True), g, formats="csr")
     b = tr._binding
     through = (name, F) != ("gin", 6)
-    assert b.order is not None and b.gathered == ({"x"} if through else set())
+    assert b.order is not None and b.caller_order == ({"x"} if through else set())
     assert b.reads_callers("x") == through
     if through:
         b.buffers["x"].copyfrom(np.full(tuple(b.buffers["x"].shape), np.nan, np.float32))
@@ -78,7 +78,7 @@ def test_training_in_a_scattered_order_copies_the_features_once():
     tr = Trainer(compile_model(m, train=True), g, formats="csr", reorder="degree")
     b = tr._binding
     assert np.count_nonzero(np.diff(b.order) < 0) > 8
-    assert b.gathered == set() and not b.reads_callers("x")
+    assert b.caller_order == set() and not b.reads_callers("x")
     poisoned_step_is_the_interpreters(tr, m, g)
 
 
@@ -93,7 +93,7 @@ def test_inference_in_a_locality_order_reads_the_callers_features(reorder):
     ex.reorder = reorder
     ref = interpret(m.graph, ref_inputs(m.graph, g), m.params)[0]
     b = ex.bind(g)
-    assert b.order is not None and b.gathered == {"x"}
+    assert b.order is not None and b.caller_order == {"x"}
     fed = ex.feed(b, {"x": g.x})
     assert fed.reads_callers("x")
     ex.execute(fed)
@@ -114,11 +114,11 @@ def test_bf16_steps_read_the_callers_features(name):
     g = labelled(awkward_graph(num_nodes=80, num_edges=400, num_features=40, seed=9), 3, 0.5)
     m = models.build(name, 40, hidden=16, out_channels=3, layers=3, seed=2)
     art = compile_model(m, train=True, precision="bf16")
-    assert all("gather" in s for s in readers_of(art.train_plan, "x"))
+    assert all("caller_order" in s for s in readers_of(art.train_plan, "x"))
     rows = Trainer(art, g, formats="csr")
     every = Trainer(art, g, formats="csr", loss_rows=False)
     b = rows._binding
-    assert b.order is not None and b.gathered == {"x"} and every._binding.order is None
+    assert b.order is not None and b.caller_order == {"x"} and every._binding.order is None
     b.buffers["x"].copyfrom(np.full(tuple(b.buffers["x"].shape), np.nan, np.float32))
     for _ in range(3):
         a, e = rows.step(), every.step()
