@@ -11,7 +11,9 @@ Per model, the configurations are: ``all`` (the default pipeline and bind-time c
 with ``PassContext(disabled={PASS})``), and the bind-time decisions forced off:
 ``-sparse-features`` (dense first-layer kernels whatever the feature sparsity) and
 ``-reorder`` (the user's node order) and ``-loss-rows`` (every step on every row, not the
-training mask's rows alone: ``gcomp/codegen/loss_rows.py``).  A pass that changes neither pipeline's IR for a model
+training mask's rows alone: ``gcomp/codegen/loss_rows.py``); and ``prefer-memory``, the
+compiler's trade of speed for memory (``--prefer memory``: no wide buffer kept from the
+feed, no loss rows).  A pass that changes neither pipeline's IR for a model
 (GAT's attention fusion for GCN, say) is reported as ``no change``, not timed.  Every
 configuration trains the same model from the same weights; before timing, each one's
 eval-mode output is checked against ``all``'s (max relative difference <= 1e-3), so an
@@ -43,7 +45,6 @@ from gcomp.passes import Instrument  # TVM is not loaded yet: threads are set fi
 OPTIONAL_PASSES = ("cse", "fuse_aggregate", "fuse_attention", "reorder_linear",
                    "hoist_graph_static", "elide_broadcasts", "split_concat_products",
                    "rematerialize", "fuse_bias_grads", "fuse_epilogues", "fuse_loss_grad")
-RUNTIME_CHOICES = ("sparse-features", "reorder", "loss-rows")
 DEFAULT_SIZES = {"cora": (2, 16), "pubmed-synth": (2, 16), "arxiv-synth": (3, 32)}
 
 
@@ -59,14 +60,15 @@ class Changes(Instrument):
 
 
 def make_trainer(wl, disabled: frozenset, sparse: bool, reorder: str, loss_rows: bool = True,
-                 changes=None, precision: str = "fp32"):
+                 changes=None, precision: str = "fp32", prefer: str = "speed"):
     from gcomp.codegen.optimizer import OptimizerConfig
     from gcomp.compiler import compile_model
     from gcomp.passes import PassContext
     from gcomp.runtime.trainer import Trainer
     t0 = time.perf_counter()
     art = compile_model(wl.model, train=True,
-                        ctx=PassContext(disabled=disabled, instruments=changes or ()),
+                        ctx=PassContext(disabled=disabled, instruments=changes or (),
+                                        options={"prefer": prefer}),
                         optimizer=OptimizerConfig(name="adam", lr=0.01), precision=precision)
     compile_s = time.perf_counter() - t0
     variants = {} if sparse else {k: False for k in art.plan.variants}
@@ -85,6 +87,8 @@ def configurations() -> dict[str, dict]:
     out["-sparse-features"] = dict(disabled=frozenset(), sparse=False, reorder="auto")
     out["-reorder"] = dict(disabled=frozenset(), sparse=True, reorder="none")
     out["-loss-rows"] = dict(disabled=frozenset(), sparse=True, reorder="auto", loss_rows=False)
+    out["prefer-memory"] = dict(disabled=frozenset(), sparse=True, reorder="auto",
+                                prefer="memory")
     return out
 
 

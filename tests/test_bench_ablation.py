@@ -29,16 +29,20 @@ def test_gcn_on_cora():
 
 
 def test_some_configurations_only_and_their_memory():
-    """``--configs all,-loss-rows --memory``: the baseline and every step on every row,
-    each one the same function, each one's peak RSS measured in a process of its own."""
+    """``--configs all,-loss-rows,prefer-memory --memory``: the baseline, every step on
+    every row and the compiler's memory trade, each one the same function, each one's
+    peak RSS measured in a process of its own; GraphSAGE's plan with ``--prefer memory``
+    keeps no [N, 1433] mean of Cora's features."""
     from bench.memory import MemoryMeter
     meter = MemoryMeter(threads=2, mode="training", iters=1, timeout_s=600)
     entry = run_model(W.make("sage", "cora", 2, 16, 1), reps=1, warmup=0, log=lambda s: None,
-                      only=["all", "-loss-rows"], memory=meter)
-    assert set(entry) == {"all", "-loss-rows"}
+                      only=["all", "-loss-rows", "prefer-memory"], memory=meter)
+    assert set(entry) == {"all", "-loss-rows", "prefer-memory"}
     assert all(e["status"] == "ok" and e["max_rel_diff"] <= 1e-3 for e in entry.values())
     for e in entry.values():
         assert e["memory"]["status"] == "ok" and e["memory"]["extra_mb"] > 0, e["memory"]
+    mean_mb = 2708 * 1433 * 4 / 2**20  # less the narrow buffers the trade adds
+    assert entry["prefer-memory"]["planned_mb"] <= entry["all"]["planned_mb"] - 0.9 * mean_mb
 
 
 def test_bfloat16_configurations():
