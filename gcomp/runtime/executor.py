@@ -325,8 +325,8 @@ class Executor:
                 if "buf" in a:
                     readers.setdefault(plan.buffers[a["buf"]].get("alias", a["buf"]), []).append(s)
         self._caller_order_inputs = {i["name"] for i in self.node_inputs()
-                            if readers.get(i["name"]) and all("caller_order" in s
-                                                              for s in readers[i["name"]])}
+                                     if readers.get(i["name"]) and all(
+                                         "caller_order" in s for s in readers[i["name"]])}
         self._feed_flags = tvm.runtime.empty((FEED_PARTS,), "int32", self.device)
         self._match_flags = tvm.runtime.empty((2 * FEED_PARTS,), "int32", self.device)
         self.force_variants: dict[str, bool] = {}  # variant key -> on/off, overriding the choice
@@ -389,8 +389,9 @@ class Executor:
         b = self._bind_new(graph, features, choices)
         # the preparation's scratch (argsorts, relabelled edges, the structures they built)
         # is free once it returns, but the C heap keeps what it freed between live blocks;
-        # handed back before the buffers are first written (arxiv-size GCN's peak RSS
-        # 397 -> 310 MB with the structures freed then, not at the collector's next pass)
+        # handed back before the buffers are first written (arxiv-size GCN's training
+        # peak RSS above the imports 384 -> 296 MB with the structures freed then, not at
+        # the collector's next pass)
         release_free_heap()
         return b
 
@@ -520,8 +521,8 @@ class Executor:
         # them in a scattered order would pay each step for what a copy pays once
         sweeps = 1 + int(np.count_nonzero(np.diff(order) < 0)) if order is not None else 0
         b.caller_order = (self._caller_order_inputs & roots
-                      if order is not None and self.on_cpu
-                      and (self.plan.loss is None or sweeps <= ORDER_SWEEPS) else set())
+                          if order is not None and self.on_cpu
+                          and (self.plan.loss is None or sweeps <= ORDER_SWEEPS) else set())
 
         def through_order(s, args):
             g = s.get("caller_order")
@@ -860,7 +861,8 @@ class Executor:
         want = _resolve(inp["dims"], binding.dims)
         read = name in binding.reads if read is None else read
         place = binding.in_place.get(name)
-        as_given = binding.order is None or name in binding.caller_order  # rows in the user's order
+        # rows in the user's order
+        as_given = binding.order is None or name in binding.caller_order
         kernel = None
         if (isinstance(value, np.ndarray) and value.dtype == np.float32 and value.shape == want
                 and want[0] > 0 and value.flags.c_contiguous):
