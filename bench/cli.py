@@ -74,6 +74,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                    help="gcomp's activations (the peers run float32; the reference output is "
                         "gcomp's float32 forward)")
+    p.add_argument("--prefer", choices=["speed", "memory"], default="speed",
+                   help="gcomp compiled with --prefer memory: aggregations of the features at "
+                        "the narrow width every step, hidden aggregations recomputed in the "
+                        "backward pass, no loss rows and no bfloat16 copy of the features")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     a = p.parse_args(argv)
     if a.reps < 5:
@@ -100,8 +104,8 @@ def run_workload(wl, args, meter, tmp: Path, entry: dict) -> None:
         rec = entry["configs"][c] = {}
         try:
             r = ref_runner if (c == "gcomp" and args.mode == "inference"
-                               and args.precision == "fp32") else \
-                make_runner(c, wl, args.mode, precision=args.precision)
+                               and args.precision == "fp32" and args.prefer == "speed") else \
+                make_runner(c, wl, args.mode, precision=args.precision, prefer=args.prefer)
         except Skip as e:
             rec.update(status="skipped", reason=str(e))
             log(f"  {c}: skipped: {e}")
@@ -162,11 +166,14 @@ def main(argv=None) -> int:
     stamp = datetime.now(timezone.utc)
     args.out.mkdir(parents=True, exist_ok=True)
     name = args.mode if args.precision == "fp32" else f"{args.mode}-{args.precision}"
+    if args.prefer == "memory":
+        name += "-prefer-memory"
     json_path = args.out / f"{name}-{stamp.strftime('%Y%m%dT%H%M%SZ')}.json"
     configs = ["gcomp"] + args.peers
     results = {
         "mode": args.mode,
         "precision": args.precision,
+        "prefer": args.prefer,
         "date_utc": stamp.isoformat(timespec="seconds"),
         "command": "python -m bench " + shlex.join(sys.argv[1:] if argv is None else argv),
         "machine": machine(), "versions": versions(), "threads": args.threads,

@@ -12,22 +12,29 @@ import time
 from bench.runner import Runner
 
 
-def compile_artifact(workload, precision: str = "fp32"):
+def _context(prefer: str):
+    from gcomp.passes import PassContext
+    return PassContext(options={"prefer": prefer})
+
+
+def compile_artifact(workload, precision: str = "fp32", prefer: str = "speed"):
     """(artifact, seconds).  The compiled kernel library is cached by gcomp on disk
     ($GCOMP_CACHE_DIR); the harness points that at a fresh directory per run."""
     from gcomp.compiler import compile_model
     t0 = time.perf_counter()
-    art = compile_model(workload.model, precision=precision)
+    art = compile_model(workload.model, precision=precision, ctx=_context(prefer))
     return art, time.perf_counter() - t0
 
 
-def make(workload, mode: str, artifact=None, precision: str = "fp32", **options) -> Runner:
-    """``options``: ``Trainer`` keywords of a training run (``loss_rows``, ``reorder``)."""
+def make(workload, mode: str, artifact=None, precision: str = "fp32", prefer: str = "speed",
+         **options) -> Runner:
+    """``prefer``: the compiler's ``--prefer``; ``options``: ``Trainer`` keywords of a
+    training run (``loss_rows``, ``reorder``)."""
     if mode == "training":
-        return make_training(workload, artifact, precision, **options)
+        return make_training(workload, artifact, precision, prefer, **options)
     setup = {}
     if artifact is None:
-        artifact, setup["compile_s"] = compile_artifact(workload, precision)
+        artifact, setup["compile_s"] = compile_artifact(workload, precision, prefer)
     t0 = time.perf_counter()
     ex = artifact.executor()
     setup["load_s"] = time.perf_counter() - t0
@@ -58,7 +65,8 @@ def make(workload, mode: str, artifact=None, precision: str = "fp32", **options)
                          f"{how}) is inside the timed step"])
 
 
-def make_training(workload, artifact=None, precision: str = "fp32", **options) -> Runner:
+def make_training(workload, artifact=None, precision: str = "fp32", prefer: str = "speed",
+                  **options) -> Runner:
     """One epoch = ``Trainer.step()``: forward, masked cross-entropy over the graph's training
     mask (the workload's), backward and one Adam step (lr 0.01), all compiled kernels; the
     features, labels and mask are copied in once at bind time (the peers hold them as tensors
@@ -71,7 +79,7 @@ def make_training(workload, artifact=None, precision: str = "fp32", **options) -
         t0 = time.perf_counter()
         artifact = compile_model(workload.model, train=True,
                                  optimizer=OptimizerConfig(name="adam", lr=0.01),
-                                 precision=precision)
+                                 precision=precision, ctx=_context(prefer))
         setup["compile_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     trainer = Trainer(artifact, workload.graph, **options)

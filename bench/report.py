@@ -58,7 +58,9 @@ def markdown(results: dict) -> str:
     prot = results["protocol"]
     prec = results.get("precision", "fp32")
     out = [f"# gcomp vs PyG / DGL: {results['mode']}"
-           + (f" (gcomp's activations in {prec}; the peers in fp32)" if prec != "fp32" else ""),
+           + (f" (gcomp's activations in {prec}; the peers in fp32)" if prec != "fp32" else "")
+           + (" (gcomp compiled with `--prefer memory`)"
+              if results.get("prefer", "speed") == "memory" else ""),
            "",
            f"{results['date_utc']} -- `{results['command']}`  ",
            f"{results['machine']['cpu_model']}, {results['machine']['cores_available']} cores, "

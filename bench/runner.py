@@ -51,14 +51,16 @@ class Runner:
         return CONFIGS[self.config]
 
 
-def make_runner(config: str, workload, mode: str, precision: str = "fp32") -> Runner:
+def make_runner(config: str, workload, mode: str, precision: str = "fp32",
+                prefer: str = "speed") -> Runner:
     """Build ``config`` for ``workload``; raises Skip when it cannot run in ``mode``.
-    ``precision``: gcomp's activations (the peers run float32)."""
+    ``precision``: gcomp's activations (the peers run float32); ``prefer``: the compiler's
+    ``--prefer`` for gcomp."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if config == "gcomp":
         from bench import gcomp_runner
-        return gcomp_runner.make(workload, mode, precision=precision)
+        return gcomp_runner.make(workload, mode, precision=precision, prefer=prefer)
     if config in ("pyg", "pyg-csr", "pyg-compile"):
         from bench import peers_pyg
         return peers_pyg.make(config, workload, mode)

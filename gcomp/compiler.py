@@ -207,7 +207,8 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
                 specialize(p, graph, gpu=tgt["kind"] == "cuda")
         specs = _used(specs, [plan, train_plan])
     if precision == "bf16":
-        store_bf16([plan, train_plan], specs, tgt)
+        store_bf16([plan, train_plan], specs, tgt,
+                   feature_copies=ctx.option("prefer") != "memory")
         specs = _used(specs, [plan, train_plan])
     if tgt["kind"] == "llvm":
         offer_caller_order([plan, train_plan], specs, tgt)

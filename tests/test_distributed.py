@@ -147,6 +147,13 @@ def artifacts(tmp_path_factory):
         p = d / f"{name}-{dropout}-{layers}.gcomp"
         compile_model(m, "llvm", train=True).save(p)
         paths.append(str(p))
+    # and GIN with memory preferred: its hidden aggregations computed again in the backward
+    # pass (rematerialize), exchanging h's halo rows again there
+    from gcomp.passes import PassContext
+    m = models.build("gin", 1433, hidden=16, out_channels=7, layers=3, dropout=0.0)
+    p = d / "gin-memory.gcomp"
+    compile_model(m, "llvm", train=True, ctx=PassContext(options={"prefer": "memory"})).save(p)
+    paths.append(str(p))
     (d / "worker.py").write_text(WORKER)
     return d, paths
 

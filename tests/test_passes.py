@@ -798,6 +798,54 @@ def test_rematerialize_recomputes_what_the_backward_can():
     same(run_pass(Rematerialize(), kept), kept)
 
 
+REMAT_AGG_BEFORE = """graph t(%x: f32[N,8], %g: graph<coo>, %dy: f32[N,4]) {
+  %w = param : f32[8,4]
+  %h = matmul(%x, %w) : f32[N,4]
+  %a = aggregate(%g, %h) : f32[N,4]
+  %s = add(%a, %h) : f32[N,4]
+  %loss = sum[axis=0](%s) : f32[4]
+  %dh = mul(%dy, %h) : f32[N,4]
+  %ds = mul(%dy, %dy) : f32[N,4]
+  %dn = neg(%dh) : f32[N,4]
+  %dw = matmul[trans_a=true](%s, %ds) : f32[4,4]
+  return %loss, %dh, %dn, %dw
+}"""
+
+
+def test_rematerialize_recomputes_aggregations_when_memory_is_preferred():
+    """With ``prefer="memory"``, GIN's ``sum_j h_j + h`` that a weight gradient reads is
+    computed again from h (which the backward reads anyway), its aggregation with it; the
+    weight gradient moves up to just after its other input, so the copy lives from there
+    to it alone.  Preferring speed keeps the value; so does an aggregation of a graph
+    input (the fed features: computed once per feed, not every step)."""
+    from gcomp.passes import Rematerialize
+    memory = PassContext(options={"prefer": "memory"})
+
+    def remat(text, ctx):
+        g = parse_graph(text)
+        PassManager([Rematerialize()])(g, ctx)
+        return print_graph(g)
+
+    expected = """graph t(%x: f32[N,8], %g: graph<coo>, %dy: f32[N,4]) {
+  %w = param : f32[8,4]
+  %h = matmul(%x, %w) : f32[N,4]
+  %a = aggregate(%g, %h) : f32[N,4]
+  %s = add(%a, %h) : f32[N,4]
+  %loss = sum[axis=0](%s) : f32[4]
+  %dh = mul(%dy, %h) : f32[N,4]
+  %ds = mul(%dy, %dy) : f32[N,4]
+  %a.again = aggregate(%g, %h) : f32[N,4]
+  %s.again = add(%a.again, %h) : f32[N,4]
+  %dw = matmul[trans_a=true](%s.again, %ds) : f32[4,4]
+  %dn = neg(%dh) : f32[N,4]
+  return %loss, %dh, %dn, %dw
+}"""
+    same(remat(REMAT_AGG_BEFORE, memory), expected)
+    same(remat(REMAT_AGG_BEFORE, PassContext()), REMAT_AGG_BEFORE)
+    fed = REMAT_AGG_BEFORE.replace("%a = aggregate(%g, %h)", "%a = aggregate(%g, %dy)")
+    same(remat(fed, memory), fed)
+
+
 def test_compile_model_runs_the_passes_for_the_target_it_compiles_for():
     """A pass context made for another target (here CUDA's) does not change what the CPU
     build's passes choose: GIN's training step keeps the CPU's narrow first layer."""

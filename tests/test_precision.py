@@ -66,6 +66,32 @@ def test_planned_memory_shrinks():
     assert b < 0.95 * a, (a, b)
 
 
+def test_memory_preferred_reads_the_float32_features_without_a_bfloat16_copy():
+    """``--prefer memory``: no bfloat16 copy of the features lives through the binding
+    (the products reading them run in float32 on the caller's rows, where the default
+    build gives a CPU with bfloat16 dot products or tiles such a copy); the training
+    step's gradients stay within bfloat16 rounding of the float32 build's."""
+    from gcomp.passes import PassContext
+    from gcomp.runtime.trainer import Trainer
+    g = synthetic_graph(2000, 16000, 24, 5, seed=2)
+    m = models.build("gin", 24, hidden=32, out_channels=5, layers=3, seed=0)
+    opt = OptimizerConfig(name="adam", lr=0.01)
+    art = compile_model(m, train=True, optimizer=opt, precision="bf16",
+                        ctx=PassContext(options={"prefer": "memory"}))
+    for plan in (art.plan, art.train_plan):
+        assert _stored(plan) and "x.bf16" not in plan.buffers
+        assert not any(s["op"] == "round_rows" for s in plan.feed_steps)
+    ref = interpret(m.graph, ref_inputs(m.graph, g), m.params)[0]
+    assert 1e-4 < rel_err(art.run(g)[0], ref) < 3e-2
+    fp32 = Trainer(compile_model(m, train=True, optimizer=opt), g)
+    bf16 = Trainer(art, g)
+    loss, want_loss = bf16.step(), fp32.step()
+    assert abs(loss - want_loss) < 3e-2 * abs(want_loss)
+    want = fp32.gradients()
+    for name, grad in bf16.gradients().items():
+        assert rel_err(grad, want[name]) < 5e-2, name
+
+
 def test_training_on_cora_matches_float32_accuracy():
     """200 epochs of GCN on Cora: bfloat16 activations reach float32's test accuracy
     (within 2 points) with float32 weights and Adam."""

@@ -31,10 +31,11 @@ def labelled(g: GraphData, C: int, seed=0) -> GraphData:
     return g
 
 
-def compiled_vs_interpreted(model, g, C, seed=0, tol=1e-4, **trainer_options):
+def compiled_vs_interpreted(model, g, C, seed=0, tol=1e-4, ctx=None, **trainer_options):
     """One training step's loss and gradients against the float64 interpreter; returns
-    the trainer (``trainer_options``: e.g. ``formats``)."""
-    tr = Trainer(compile_model(model, train=True), g, seed=seed, **trainer_options)
+    the trainer (``ctx``: the compiler's pass context; ``trainer_options``: e.g.
+    ``formats``)."""
+    tr = Trainer(compile_model(model, train=True, ctx=ctx), g, seed=seed, **trainer_options)
     params0 = tr.parameters()
     loss = tr.step()
     tg = training_pipeline()(model.graph.copy())
@@ -54,6 +55,21 @@ def test_model_gradients_equal_the_interpreter(name):
     g = labelled(awkward_graph(num_nodes=70, num_edges=400, num_features=6, seed=3), 3)
     m = models.build(name, 6, hidden=8, out_channels=3, layers=3, heads=2, dropout=0.3, seed=1)
     compiled_vs_interpreted(m, g, 3, seed=2)
+
+
+@pytest.mark.parametrize("name", ["gcn", "sage", "gin", "gat"])
+def test_gradients_with_memory_preferred_equal_the_interpreter(name):
+    """``--prefer memory``: aggregations of fed values at the narrow width every step, and
+    GraphSAGE's and GIN's aggregations that a weight gradient reads computed again in the
+    backward pass (rematerialize): the same loss and gradients."""
+    from gcomp.passes import PassContext
+    g = labelled(awkward_graph(num_nodes=70, num_edges=400, num_features=6, seed=3), 3)
+    m = models.build(name, 6, hidden=8, out_channels=3, layers=3, heads=2, dropout=0.3, seed=1)
+    tr = compiled_vs_interpreted(m, g, 3, seed=2,
+                                 ctx=PassContext(options={"prefer": "memory"}))
+    again = [s for s in tr.artifact.train_plan.steps
+             if s["op"] == "aggregate" and ".again" in s["node"]]
+    assert bool(again) == (name in ("sage", "gin"))  # not of a dropout's output: not kept
 
 
 @pytest.mark.parametrize("name,hidden,heads", [("gat", 20, 3), ("gat", 5, 2), ("sage", 45, 1),

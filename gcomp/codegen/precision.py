@@ -33,15 +33,17 @@ from gcomp.runtime.plan import Plan
 PRECISIONS = ("fp32", "bf16")
 
 
-def store_bf16(plans: list, specs: dict, tgt: dict) -> None:
+def store_bf16(plans: list, specs: dict, tgt: dict, feature_copies: bool = True) -> None:
     """Store each plan's activations in bfloat16 (in place: plan buffers, steps and
-    ``specs``); see the module docstring."""
+    ``specs``); see the module docstring.  ``feature_copies=False`` (``--prefer memory``)
+    keeps the products reading the features float32 instead of giving them a bfloat16
+    copy of the features that lives as long as the binding."""
     for plan in plans:
         if plan is not None:
-            _store_plan(plan, specs, tgt)
+            _store_plan(plan, specs, tgt, feature_copies)
 
 
-def _store_plan(plan: Plan, specs: dict, tgt: dict) -> None:
+def _store_plan(plan: Plan, specs: dict, tgt: dict, feature_copies: bool) -> None:
     chosen = _candidates(plan)
     steps = [dict(s) for s in plan.bind_steps + plan.feed_steps + plan.steps]
     originals = [(s["kernel"], s.get("formats")) for s in steps]
@@ -79,7 +81,7 @@ def _store_plan(plan: Plan, specs: dict, tgt: dict) -> None:
         if _root(plan, name) in chosen:
             b["dtype"] = "bfloat16"
     plan.precision = {"bfloat16": sorted(chosen), "kept_float32": dict(sorted(kept.items()))}
-    if has_amx(tgt) or has_dot_bf16(tgt):
+    if feature_copies and (has_amx(tgt) or has_dot_bf16(tgt)):
         _round_features(plan, specs, tgt)
 
 

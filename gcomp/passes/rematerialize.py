@@ -1,4 +1,4 @@
-"""Recompute cheap elementwise values in the backward pass instead of keeping them.
+"""Recompute values in the backward pass instead of keeping them from the forward pass.
 
 Expects: a verified graph right after autodiff: the loss is the first output, and the
 nodes after it are the backward pass.
@@ -19,6 +19,15 @@ arxiv-size graph at hidden 128.
              %loss = ...
              %s.again = sub(%h, %n)    : f32[N,8]
              %dz = mul(%dy, %s.again)  : f32[N,8]
+
+With the pass option ``prefer="memory"`` a sum or mean aggregation over in-edges is cheap
+enough too (one more pass over the edges a step, for an [N, F] buffer less through the
+step), where its node input depends on the parameters (an aggregation of the fed features
+is computed once per feed instead) and its other inputs do not: GIN's
+``sum_j h_j + (1 + eps) * h`` and GraphSAGE's ``mean_j h_j``, which the backward pass
+reads for the weight gradient of the linear layer after them, are computed again from h,
+which the backward reads anyway.  An input that is not read by the backward but is itself
+recomputable in this sense (GIN's aggregation inside that sum) is computed again with it.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ CHEAP = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.NEG})
 
 
 def _node_sized(v: Node) -> bool:
-    return v.ty.rank >= 1 and v.ty.shape[0] == N
+    return getattr(v.ty, "rank", 0) >= 1 and v.ty.shape[0] == N  # a graph has no rank
 
 
 class Rematerialize(Pass):
@@ -43,22 +52,79 @@ class Rematerialize(Pass):
             return False
         order = {n: k for k, n in enumerate(graph.nodes)}
         end = order[graph.outputs[0]]  # the loss: what comes after it is the backward pass
+        aggregations = ctx is not None and ctx.option("prefer") == "memory"
+        varies: dict[Node, bool] = {}
 
         def backward(u: Node) -> bool:
             return order.get(u, end + 1) > end
 
+        def kept(i: Node) -> bool:
+            return any(map(backward, i.users))
+
+        def depends_on_params(v: Node) -> bool:
+            if v not in varies:
+                varies[v] = v.op == Op.PARAM or any(map(depends_on_params, v.inputs))
+            return varies[v]
+
+        def recomputable(v: Node) -> bool:
+            """v can be computed again from values the backward pass keeps anyway (and
+            from recomputable forward values)."""
+            if not _node_sized(v) or order.get(v, end) >= end:
+                return False
+            if v.op in CHEAP:
+                node_inputs = [i for i in v.inputs if _node_sized(i)]
+            elif (aggregations and v.op == Op.AGGREGATE and v.attrs.get("flow", "in") == "in"
+                  and v.attrs.get("reduce", "sum") in ("sum", "mean")):
+                x, others = v.inputs[1], v.inputs[2:]
+                if not depends_on_params(x) or any(map(depends_on_params, others)):
+                    return False
+                node_inputs = [x]
+            else:
+                return False
+            return all(kept(i) or recomputable(i) for i in node_inputs)
+
         changed = False
         for v in list(graph.nodes[:end]):
             late = [u for u in v.users if backward(u)]
-            if (v.op not in CHEAP or not _node_sized(v) or not late
-                    or any(_node_sized(i) and not any(map(backward, i.users))
-                           for i in v.inputs)):
+            if not late or not recomputable(v):
                 continue
-            first = min(late, key=order.__getitem__)
+            first = min(late, key=lambda u: graph.nodes.index(u))
+            if not _node_sized(first):
+                first = self._early(graph, first, v, graph.outputs[0])
+                late = [u for u in v.users if backward(u)]
             with graph.inserting_before(first):
-                again = graph.create_node(v.op, v.inputs, dict(v.attrs),
-                                          name=graph.fresh_name(f"{v.name}.again"))
+                again = self._again(graph, v, kept, {})
             for u in late:
                 u.replace_input(v, again)
             changed = True
         return changed
+
+    @staticmethod
+    def _early(graph: Graph, u: Node, v: Node, loss: Node) -> Node:
+        """u (a backward reader of v whose value is small: a weight gradient) moved up to
+        just after its other inputs, so the copy of v lives only as long as it needs to
+        and the node-sized values u reads may die before others are made (autodiff puts
+        a product's input gradient before its weight gradient)."""
+        nodes = graph.nodes
+        at = max([nodes.index(i) for i in u.inputs if i is not v] + [nodes.index(loss)]) + 1
+        if at >= nodes.index(u):
+            return u
+        with graph.inserting_before(nodes[at]):
+            moved = graph.create_node(u.op, u.inputs, dict(u.attrs),
+                                      name=graph.fresh_name(f"{u.name}.early"))
+        moved.meta = dict(u.meta)
+        graph.replace_all_uses_with(u, moved)
+        name = u.name
+        graph.erase_node(u)
+        graph.rename(moved, name)
+        return moved
+
+    def _again(self, graph: Graph, v: Node, kept, copies: dict) -> Node:
+        """v computed again, with those of its node-sized inputs the backward pass does not
+        keep computed again first."""
+        if v not in copies:
+            inputs = [i if not _node_sized(i) or kept(i) else self._again(graph, i, kept, copies)
+                      for i in v.inputs]
+            copies[v] = graph.create_node(v.op, inputs, dict(v.attrs),
+                                          name=graph.fresh_name(f"{v.name}.again"))
+        return copies[v]
