@@ -800,7 +800,8 @@ def test_rematerialize_recomputes_what_the_backward_can():
 
 REMAT_AGG_BEFORE = """graph t(%x: f32[N,8], %g: graph<coo>, %dy: f32[N,4]) {
   %w = param : f32[8,4]
-  %h = matmul(%x, %w) : f32[N,4]
+  %p = matmul(%x, %w) : f32[N,4]
+  %h = relu(%p) : f32[N,4]
   %a = aggregate(%g, %h) : f32[N,4]
   %s = add(%a, %h) : f32[N,4]
   %loss = sum[axis=0](%s) : f32[4]
@@ -817,7 +818,8 @@ def test_rematerialize_recomputes_aggregations_when_memory_is_preferred():
     computed again from h (which the backward reads anyway), its aggregation with it; the
     weight gradient moves up to just after its other input, so the copy lives from there
     to it alone.  Preferring speed keeps the value; so does an aggregation of a graph
-    input (the fed features: computed once per feed, not every step)."""
+    input (the fed features: computed once per feed, not every step).  A product of the
+    features with a weight is computed again too (the features stay through the step)."""
     from gcomp.passes import Rematerialize
     memory = PassContext(options={"prefer": "memory"})
 
@@ -828,7 +830,8 @@ def test_rematerialize_recomputes_aggregations_when_memory_is_preferred():
 
     expected = """graph t(%x: f32[N,8], %g: graph<coo>, %dy: f32[N,4]) {
   %w = param : f32[8,4]
-  %h = matmul(%x, %w) : f32[N,4]
+  %p = matmul(%x, %w) : f32[N,4]
+  %h = relu(%p) : f32[N,4]
   %a = aggregate(%g, %h) : f32[N,4]
   %s = add(%a, %h) : f32[N,4]
   %loss = sum[axis=0](%s) : f32[4]
@@ -844,6 +847,11 @@ def test_rematerialize_recomputes_aggregations_when_memory_is_preferred():
     same(remat(REMAT_AGG_BEFORE, PassContext()), REMAT_AGG_BEFORE)
     fed = REMAT_AGG_BEFORE.replace("%a = aggregate(%g, %h)", "%a = aggregate(%g, %dy)")
     same(remat(fed, memory), fed)
+    # GIN's x W, which its eps gradient reads: a product of the features, recomputed too
+    product = REMAT_AGG_BEFORE.replace("%dh = mul(%dy, %h)", "%dh = mul(%dy, %p)")
+    again = remat(product, memory)
+    assert "%p.again = matmul(%x, %w)" in again and "%dh = mul(%dy, %p.again)" in again
+    same(remat(product, PassContext()), product)
 
 
 def test_compile_model_runs_the_passes_for_the_target_it_compiles_for():

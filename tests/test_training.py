@@ -531,6 +531,31 @@ def test_sparse_feature_variant_equals_dense(name, sparse, dropout):
         assert rel_err(tr.gradients()[pname], ref) <= 1e-4, pname
 
 
+@pytest.mark.parametrize("sparse", [False, True])
+def test_memory_preferred_recomputes_the_feature_product_in_both_variants(sparse):
+    """``--prefer memory``: GIN's x W, which its eps gradient reads, is computed again in
+    the backward pass (dense, or from X's nonzeros in the sparse-feature variant): the
+    interpreter's gradients either way."""
+    from gcomp.passes import PassContext
+    g = labelled(awkward_graph(num_nodes=70, num_edges=400, num_features=9, seed=6), 3)
+    g.x[np.random.default_rng(0).random(g.x.shape) < 0.8] = 0.0  # sparse features
+    m = models.build("gin", 9, hidden=8, out_channels=3, layers=2, seed=3)
+    art = compile_model(m, train=True, sparse_threshold=0.5,
+                        ctx=PassContext(options={"prefer": "memory"}))
+    assert [s for s in art.train_plan.steps if s["node"] == "x.lin.again"]
+    tr = Trainer(art, g, variants={k: sparse for k in art.train_plan.variants})
+    assert tr._binding.variants == (set(art.train_plan.variants) if sparse else set())
+    params0 = tr.parameters()
+    loss = tr.step()
+    tg = training_pipeline()(m.graph.copy())
+    inputs = {"x": g.x, "edge_index": RefGraph.from_edge_index(g.edge_index, g.num_nodes),
+              "labels": g.y, "train_mask": tr.train_mask.astype(np.float64)}
+    outs = interpret(tg, {k: v for k, v in inputs.items() if tg.has(k)}, params0)
+    assert abs(loss - outs[0]) <= 1e-4 * abs(outs[0])
+    for pname, ref in zip(tg.meta["grads"], outs[1:]):
+        assert rel_err(tr.gradients()[pname], ref) <= 1e-4, pname
+
+
 def test_inference_sparse_variant_and_refeeding():
     g = awkward_graph(num_nodes=60, num_edges=300, num_features=12, seed=2)
     g.x[np.random.default_rng(1).random(g.x.shape) < 0.9] = 0.0

@@ -26,8 +26,11 @@ step), where its node input depends on the parameters (an aggregation of the fed
 is computed once per feed instead) and its other inputs do not: GIN's
 ``sum_j h_j + (1 + eps) * h`` and GraphSAGE's ``mean_j h_j``, which the backward pass
 reads for the weight gradient of the linear layer after them, are computed again from h,
-which the backward reads anyway.  An input that is not read by the backward but is itself
-recomputable in this sense (GIN's aggregation inside that sum) is computed again with it.
+which the backward reads anyway; so is a product of the fed features with a weight
+(GIN's ``x W``, which its eps gradient reads: a product over the features a step, for an
+[N, hidden] buffer less through the step).  An input that is not read by the backward but
+is itself recomputable in this sense (GIN's aggregation inside that sum) is computed again
+with it.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ class Rematerialize(Pass):
             return False
         order = {n: k for k, n in enumerate(graph.nodes)}
         end = order[graph.outputs[0]]  # the loss: what comes after it is the backward pass
-        aggregations = ctx is not None and ctx.option("prefer") == "memory"
+        memory_first = ctx is not None and ctx.option("prefer") == "memory"
         varies: dict[Node, bool] = {}
 
         def backward(u: Node) -> bool:
@@ -73,12 +76,16 @@ class Rematerialize(Pass):
                 return False
             if v.op in CHEAP:
                 node_inputs = [i for i in v.inputs if _node_sized(i)]
-            elif (aggregations and v.op == Op.AGGREGATE and v.attrs.get("flow", "in") == "in"
+            elif (memory_first and v.op == Op.AGGREGATE and v.attrs.get("flow", "in") == "in"
                   and v.attrs.get("reduce", "sum") in ("sum", "mean")):
                 x, others = v.inputs[1], v.inputs[2:]
                 if not depends_on_params(x) or any(map(depends_on_params, others)):
                     return False
                 node_inputs = [x]
+            elif (memory_first and v.op == Op.MATMUL and v.inputs[0].op == Op.INPUT
+                  and v.inputs[1].op == Op.PARAM
+                  and not (v.attrs.get("trans_a") or v.attrs.get("trans_b"))):
+                node_inputs = []  # a graph input stays through the step: nothing to keep
             else:
                 return False
             return all(kept(i) or recomputable(i) for i in node_inputs)
@@ -93,7 +100,7 @@ class Rematerialize(Pass):
                 first = self._early(graph, first, v, graph.outputs[0])
                 late = [u for u in v.users if backward(u)]
             with graph.inserting_before(first):
-                again = self._again(graph, v, kept, {})
+                again = self._again(graph, v, lambda i: not kept(i) and recomputable(i), {})
             for u in late:
                 u.replace_input(v, again)
             changed = True
@@ -119,11 +126,11 @@ class Rematerialize(Pass):
         graph.rename(moved, name)
         return moved
 
-    def _again(self, graph: Graph, v: Node, kept, copies: dict) -> Node:
-        """v computed again, with those of its node-sized inputs the backward pass does not
-        keep computed again first."""
+    def _again(self, graph: Graph, v: Node, copied, copies: dict) -> Node:
+        """v computed again, with those of its inputs that ``copied`` names (recomputable
+        values the backward pass does not keep) computed again first."""
         if v not in copies:
-            inputs = [i if not _node_sized(i) or kept(i) else self._again(graph, i, kept, copies)
+            inputs = [self._again(graph, i, copied, copies) if copied(i) else i
                       for i in v.inputs]
             copies[v] = graph.create_node(v.op, inputs, dict(v.attrs),
                                           name=graph.fresh_name(f"{v.name}.again"))
