@@ -97,8 +97,8 @@ def configurations() -> dict[str, dict]:
 def run_model(wl, reps: int, warmup: int, log, only: list[str] | None = None,
               memory=None, precision: str = "fp32") -> dict:
     """``memory``: a ``bench.memory.MemoryMeter`` that measures each configuration too."""
-    from bench.protocol import settle, summarize
     from bench.cli import BF16_TOLERANCE, TOLERANCE
+    from bench.protocol import settle, summarize
     from bench.runner import rel_diff
     tol = BF16_TOLERANCE if precision == "bf16" else TOLERANCE
     entry, trainers = {}, {}

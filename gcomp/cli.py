@@ -198,7 +198,10 @@ def _option_flags(p) -> None:
     p.add_argument("--prefer", default="speed", choices=["speed", "memory"],
                    help="memory: no wide buffers of the features' aggregations kept across "
                         "training steps (reorder_linear); aggregate at the narrow width each "
-                        "step instead; with -t cuda also the backward aggregations "
+                        "step instead; hidden aggregations and products of the features "
+                        "computed again in the backward pass instead of kept (rematerialize); "
+                        "no loss rows and, with --precision bf16, no bfloat16 copy of the "
+                        "features; with -t cuda also the backward aggregations "
                         "scattered with atomics (no transposed graph on the GPU)")
     p.add_argument("--deterministic", action="store_true",
                    help="no atomics: results bit for bit the same run after run (with "

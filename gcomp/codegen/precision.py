@@ -18,7 +18,8 @@ kernel specs.  Guarantees, for ``store_bf16``:
   float32, until no kernel needs a change.
 * On a target with AMX tiles or AVX-512 BF16 dot products, products reading a node
   input that those could run read a bfloat16 copy of it (``{input}.bf16``) that a feed
-  step rounds once per feed.
+  step rounds once per feed; not with ``--prefer memory`` (``feature_copies=False``):
+  the copy would live as long as the binding, so those products read the float32 input.
 """
 
 from __future__ import annotations

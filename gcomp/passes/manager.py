@@ -56,7 +56,9 @@ OPTIONS = {
     # what reorder_linear gives up a wide [N, K] buffer for: "speed" keeps aggregations of
     # fed values (the input features) wide, once per feed; "memory" aggregates them at the
     # narrow width every step and keeps no such buffer; "memory" also leaves the CPU
-    # training step's loss rows out (codegen/loss_rows.py: they copy the features)
+    # training step's loss rows out (codegen/loss_rows.py: they copy the features),
+    # recomputes hidden aggregations and products of the features in the backward pass
+    # (rematerialize) and gives bf16 builds no bfloat16 copy of the features
     "prefer": ("speed", "memory"),
     # True: no kernel may make its result depend on the GPU's order of atomic adds; False
     # lets "prefer": "memory" on CUDA scatter the backward aggregations with atomics
