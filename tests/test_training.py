@@ -31,11 +31,13 @@ def labelled(g: GraphData, C: int, seed=0) -> GraphData:
     return g
 
 
-def compiled_vs_interpreted(model, g, C, seed=0, tol=1e-4, ctx=None, **trainer_options):
+def compiled_vs_interpreted(model, g, C, seed=0, tol=1e-4, ctx=None, sparse_threshold=None,
+                            **trainer_options):
     """One training step's loss and gradients against the float64 interpreter; returns
-    the trainer (``ctx``: the compiler's pass context; ``trainer_options``: e.g.
+    the trainer (``ctx``, ``sparse_threshold``: the compiler's; ``trainer_options``: e.g.
     ``formats``)."""
-    tr = Trainer(compile_model(model, train=True, ctx=ctx), g, seed=seed, **trainer_options)
+    art = compile_model(model, train=True, ctx=ctx, sparse_threshold=sparse_threshold)
+    tr = Trainer(art, g, seed=seed, **trainer_options)
     params0 = tr.parameters()
     loss = tr.step()
     tg = training_pipeline()(model.graph.copy())
@@ -540,20 +542,10 @@ def test_memory_preferred_recomputes_the_feature_product_in_both_variants(sparse
     g = labelled(awkward_graph(num_nodes=70, num_edges=400, num_features=9, seed=6), 3)
     g.x[np.random.default_rng(0).random(g.x.shape) < 0.8] = 0.0  # sparse features
     m = models.build("gin", 9, hidden=8, out_channels=3, layers=2, seed=3)
-    art = compile_model(m, train=True, sparse_threshold=0.5,
-                        ctx=PassContext(options={"prefer": "memory"}))
-    assert [s for s in art.train_plan.steps if s["node"] == "x.lin.again"]
-    tr = Trainer(art, g, variants={k: sparse for k in art.train_plan.variants})
-    assert tr._binding.variants == (set(art.train_plan.variants) if sparse else set())
-    params0 = tr.parameters()
-    loss = tr.step()
-    tg = training_pipeline()(m.graph.copy())
-    inputs = {"x": g.x, "edge_index": RefGraph.from_edge_index(g.edge_index, g.num_nodes),
-              "labels": g.y, "train_mask": tr.train_mask.astype(np.float64)}
-    outs = interpret(tg, {k: v for k, v in inputs.items() if tg.has(k)}, params0)
-    assert abs(loss - outs[0]) <= 1e-4 * abs(outs[0])
-    for pname, ref in zip(tg.meta["grads"], outs[1:]):
-        assert rel_err(tr.gradients()[pname], ref) <= 1e-4, pname
+    tr = compiled_vs_interpreted(m, g, 3, ctx=PassContext(options={"prefer": "memory"}),
+                                 sparse_threshold=0.5, variants={"sparse:x": sparse})
+    assert tr._binding.variants == ({"sparse:x"} if sparse else set())
+    assert [s for s in tr.artifact.train_plan.steps if s["node"] == "x.lin.again"]
 
 
 def test_inference_sparse_variant_and_refeeding():

@@ -144,6 +144,12 @@ class Graph:
         finally:
             self._insert_at = prev
 
+    def move_before(self, node: Node, anchor: Node) -> None:
+        """Move ``node`` to just before ``anchor``; the caller keeps the order topological
+        (the verifier checks it after each pass)."""
+        self._nodes.remove(node)
+        self._nodes.insert(self._nodes.index(anchor), node)
+
     def replace_all_uses_with(self, old: Node, new: Node) -> None:
         for user in list(old.users):
             user.replace_input(old, new)

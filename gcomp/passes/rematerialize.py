@@ -38,6 +38,7 @@ from __future__ import annotations
 from gcomp.ir.graph import Graph, Node
 from gcomp.ir.ops import Op
 from gcomp.ir.types import N
+from gcomp.passes.hoist_graph_static import phases
 from gcomp.passes.manager import Pass
 
 CHEAP = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.NEG})
@@ -56,18 +57,13 @@ class Rematerialize(Pass):
         order = {n: k for k, n in enumerate(graph.nodes)}
         end = order[graph.outputs[0]]  # the loss: what comes after it is the backward pass
         memory_first = ctx is not None and ctx.option("prefer") == "memory"
-        varies: dict[Node, bool] = {}
+        phase = phases(graph)  # "run": depends on the parameters (or step counters)
 
         def backward(u: Node) -> bool:
             return order.get(u, end + 1) > end
 
         def kept(i: Node) -> bool:
             return any(map(backward, i.users))
-
-        def depends_on_params(v: Node) -> bool:
-            if v not in varies:
-                varies[v] = v.op == Op.PARAM or any(map(depends_on_params, v.inputs))
-            return varies[v]
 
         def recomputable(v: Node) -> bool:
             """v can be computed again from values the backward pass keeps anyway (and
@@ -79,7 +75,7 @@ class Rematerialize(Pass):
             elif (memory_first and v.op == Op.AGGREGATE and v.attrs.get("flow", "in") == "in"
                   and v.attrs.get("reduce", "sum") in ("sum", "mean")):
                 x, others = v.inputs[1], v.inputs[2:]
-                if not depends_on_params(x) or any(map(depends_on_params, others)):
+                if phase[x] != "run" or any(phase[i] == "run" for i in others):
                     return False
                 node_inputs = [x]
             elif (memory_first and v.op == Op.MATMUL and v.inputs[0].op == Op.INPUT
@@ -95,10 +91,9 @@ class Rematerialize(Pass):
             late = [u for u in v.users if backward(u)]
             if not late or not recomputable(v):
                 continue
-            first = min(late, key=lambda u: graph.nodes.index(u))
+            first = min(late, key=graph.nodes.index)
             if not _node_sized(first):
-                first = self._early(graph, first, v, graph.outputs[0])
-                late = [u for u in v.users if backward(u)]
+                self._early(graph, first, v, graph.outputs[0])
             with graph.inserting_before(first):
                 again = self._again(graph, v, lambda i: not kept(i) and recomputable(i), {})
             for u in late:
@@ -107,24 +102,15 @@ class Rematerialize(Pass):
         return changed
 
     @staticmethod
-    def _early(graph: Graph, u: Node, v: Node, loss: Node) -> Node:
-        """u (a backward reader of v whose value is small: a weight gradient) moved up to
+    def _early(graph: Graph, u: Node, v: Node, loss: Node) -> None:
+        """Move u (a backward reader of v whose value is small: a weight gradient) up to
         just after its other inputs, so the copy of v lives only as long as it needs to
         and the node-sized values u reads may die before others are made (autodiff puts
         a product's input gradient before its weight gradient)."""
         nodes = graph.nodes
         at = max([nodes.index(i) for i in u.inputs if i is not v] + [nodes.index(loss)]) + 1
-        if at >= nodes.index(u):
-            return u
-        with graph.inserting_before(nodes[at]):
-            moved = graph.create_node(u.op, u.inputs, dict(u.attrs),
-                                      name=graph.fresh_name(f"{u.name}.early"))
-        moved.meta = dict(u.meta)
-        graph.replace_all_uses_with(u, moved)
-        name = u.name
-        graph.erase_node(u)
-        graph.rename(moved, name)
-        return moved
+        if at < nodes.index(u):
+            graph.move_before(u, nodes[at])
 
     def _again(self, graph: Graph, v: Node, copied, copies: dict) -> Node:
         """v computed again, with those of its inputs that ``copied`` names (recomputable
