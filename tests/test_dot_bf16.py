@@ -14,10 +14,11 @@ import tvm_ffi
 from conftest import assert_bf16_step_close, bf16_bits, widen_bf16
 
 from gcomp import models
-from gcomp.codegen import dot_bf16_kernels
+from gcomp.codegen import dot_bf16_kernels, precision
 from gcomp.codegen.build import make_target
 from gcomp.codegen.kernels import KernelSpec, define, has_amx, has_dot_bf16
 from gcomp.compiler import compile_model
+from gcomp.passes import PassContext
 from gcomp.runtime.cpu_features import host_flags, host_has_amx
 from gcomp.runtime.synthetic import synthetic_graph
 from gcomp.runtime.trainer import Trainer
@@ -72,21 +73,24 @@ def test_compiles_to_vdpbf16ps_for_zen4(kind, stored):
 
 
 @here
-@pytest.mark.parametrize("K,M,n,out_bf16", [(32, 32, 1000, False), (128, 32, 333, True),
-                                            (40, 32, 517, False), (32, 40, 250, True),
-                                            (32, 17, 9, False), (32, 128, 101, True),
-                                            (10, 20, 3, False), (64, 200, 70, False),
-                                            (1432, 64, 50, True), (64, 1433, 20, False)])
-def test_product_matches_float64(K, M, n, out_bf16):
+@pytest.mark.parametrize("K,M,n,out_bf16,round_x", [
+    (32, 32, 1000, False, False), (128, 32, 333, True, False), (40, 32, 517, False, False),
+    (32, 40, 250, True, False), (32, 17, 9, False, False), (32, 128, 101, True, False),
+    (10, 20, 3, False, False), (64, 200, 70, False, False), (1432, 64, 50, True, False),
+    (64, 1433, 20, False, False), (128, 32, 333, True, True), (40, 32, 517, False, True),
+    (10, 20, 3, False, True), (64, 200, 70, True, True), (1432, 64, 50, True, True)])
+def test_product_matches_float64(K, M, n, out_bf16, round_x):
     """Groups of 8 rows and the last rows (n = 9, 3: rows past n repeat the last and are
     not stored); columns padded to 16 (M = 17, 40, 200); tiles of 64 columns in groups of 4
     rows (M = 128, 200: three tiles of 64 in a loop and one of 8; 1,433: 22 and one of 25);
     K = 10, five pairs: a prefetch step of 4 and one more; Cora-wide rows (K = 1,432); the
     epilogue (bias, a residual row, relu) on the float32 sums; a bfloat16 output rounded
-    once."""
+    once.  ``round_x``: x float32, each group's rows rounded as read (16, 8 and single
+    values: K = 40, 10, 1,432; again for each column tile: M = 200)."""
     epilogue = (("bias_add", (), 0, False), ("add", (), 1, False), ("relu", (), None, False))
+    stored = (() if round_x else ("x",)) + (("out",) if out_bf16 else ())
     spec = KernelSpec.make("matmul", K=K, M=M, epilogue=epilogue, extras=("vec", "row"),
-                           bf16=("x", "out") if out_bf16 else ("x",))
+                           bf16=stored, **({"round_x": True} if round_x else {}))
     fn = _build(spec, _host_dot_target())
     rng = np.random.default_rng(K + M + n)
     x = rng.standard_normal((n, K)).astype(np.float32)
@@ -98,7 +102,7 @@ def test_product_matches_float64(K, M, n, out_bf16):
                                                                                   "bfloat16")
     else:
         out = tvm.runtime.tensor(np.full((n, M), np.nan, np.float32))
-    fn(_operand(x, True), tvm.runtime.tensor(w), tvm.runtime.tensor(b),
+    fn(_operand(x, not round_x), tvm.runtime.tensor(w), tvm.runtime.tensor(b),
        tvm.runtime.tensor(res), out)
     ref = np.maximum(widen_bf16(bf16_bits(x)) @ widen_bf16(bf16_bits(w)) + b + res, 0)
     got = widen_bf16(out.numpy().view(np.uint16)) if out_bf16 else out.numpy()
@@ -153,6 +157,31 @@ def test_features_rounded_for_the_dot_products():
     assert art.manifest["cpu_features"] == ["avx512_bf16"]
     assert compile_model(m, train=True, target="llvm", mcpu="znver4")\
         .manifest["cpu_features"] == []
+
+
+def test_features_rounded_as_read_when_memory_is_preferred(monkeypatch):
+    """On any machine, for Zen 4, with --prefer memory: no copy of the features; both
+    products x @ W (the forward one and GIN's recomputed one for its eps gradient) read the
+    float32 features and round them in the dot-product kernel (``round_x``); the weight
+    gradient x.T @ dY runs on dot products too (dY stored as bfloat16)."""
+    from gcomp import compiler
+    seen = {}
+
+    def store_bf16(plans, specs, tgt, **kw):
+        seen.update(specs=specs)
+        return precision.store_bf16(plans, specs, tgt, **kw)
+    monkeypatch.setattr(compiler, "store_bf16", store_bf16)
+    m = models.build("gin", 128, hidden=32, out_channels=4, layers=2)
+    art = compile_model(m, train=True, precision="bf16", target="llvm", mcpu="znver4",
+                        ctx=PassContext(options={"prefer": "memory"}))
+    plan, specs = art.train_plan, seen["specs"]
+    assert "x.bf16" not in plan.buffers and not plan.feed_steps
+    readers = [specs[s["kernel"]] for s in plan.steps if s["args"][0].get("buf") == "x"]
+    assert sorted(r.kind for r in readers) == ["matmul", "matmul", "matmul_tn"]
+    for r in readers:
+        assert r.p.get("round_x", False) == (r.kind == "matmul")
+        assert "x" not in r.p.get("bf16", ())
+        assert dot_bf16_kernels.uses_dot(define(r, ZEN4).script())
 
 
 @here

@@ -68,8 +68,9 @@ def test_planned_memory_shrinks():
 
 def test_memory_preferred_reads_the_float32_features_without_a_bfloat16_copy():
     """``--prefer memory``: no bfloat16 copy of the features lives through the binding
-    (the products reading them run in float32 on the caller's rows, where the default
-    build gives a CPU with bfloat16 dot products or tiles such a copy); the training
+    (the products reading them read the caller's float32 rows, and on a CPU with
+    bfloat16 dot products round them as they read them, where the default build gives
+    such a CPU, or one with tiles, a copy); the training
     step's gradients stay within bfloat16 rounding of the float32 build's."""
     from gcomp.passes import PassContext
     from gcomp.runtime.trainer import Trainer

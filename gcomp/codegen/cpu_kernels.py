@@ -629,7 +629,7 @@ def _matmul_cols(M: int, tuning: str) -> int:
 @definer("matmul", target="llvm")
 def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = (),
            tuning: str = "default", amx: bool = False, dot_bf16: bool = False, K2: int = 0,
-           x_order: bool = False):
+           x_order: bool = False, round_x: bool = False):
     """out[i, j] = epilogue(sum_k x[i, k] * w[k, j]), R rows at a time: each row of w
     loaded serves R rows of x, whose sums stay in registers (the row-at-a-time schedule
     loads a row of w per multiply-add).  Rows past n in the last group repeat row n - 1
@@ -647,7 +647,10 @@ def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = (),
     None (the generic kernel, scheduled) where that is faster.  With x stored as bfloat16
     on a CPU with AMX tiles: the tile kernel (``amx_kernels.py``), on one with AVX-512
     BF16 but no tiles the dot-product kernel (``dot_bf16_kernels.py``); both name their
-    arguments as this one does (the precision pass asks for them by name).
+    arguments as this one does (the precision pass asks for them by name).  ``round_x``
+    (``--precision bf16`` with ``--prefer memory``): x stays float32 and the dot-product
+    kernel rounds its rows as it reads them, as a bfloat16 copy of x would have been
+    rounded; elsewhere the float32 product.
 
     ``K2``: a second product ``x2 @ w2`` (x2 [n, K2], w2 [K2, M]) summed into the same
     registers before the epilogue (``passes/fuse_epilogues.py``: GraphSAGE's
@@ -668,7 +671,8 @@ def matmul(K: int, M: int, epilogue: tuple = (), extras: tuple = (),
         return None
     if amx and not K2 and not x_order and stored_bf16("x") and amx_kernels.supported(K, M):
         return amx_kernels.matmul_amx(K, M, epilogue, extras)
-    if (dot_bf16 and not x_order and stored_bf16("x") and dot_bf16_kernels.supported(K, M)
+    if (dot_bf16 and not x_order and (stored_bf16("x") or round_x)
+            and dot_bf16_kernels.supported(K, M)
             and (not K2 or stored_bf16("x2") and dot_bf16_kernels.supported(K2, M))):
         return dot_bf16_kernels.matmul_dot(K, M, epilogue, extras, K2,
                                            MM_INPUT_LOCALITY.get(tuning, 3))

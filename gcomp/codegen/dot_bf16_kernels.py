@@ -170,9 +170,13 @@ def _padded(width: int) -> int:
 
 def matmul_dot(K: int, M: int, epilogue: tuple, extras: tuple, K2: int = 0,
                locality: int = 3):
-    """out = epilogue(x @ w [+ x2 @ w2]), x (and x2) stored as bfloat16 (see the module
-    docstring; ``K2`` as ``cpu_kernels.matmul``'s; ``locality``: of x's prefetched rows,
-    ``cpu_kernels.MM_INPUT_LOCALITY``).  A group multiplies 8 rows at a time,
+    """out = epilogue(x @ w [+ x2 @ w2]), x (and x2) stored as bfloat16, or x float32
+    and rounded to bfloat16 as it is read (see the module docstring; ``K2`` as
+    ``cpu_kernels.matmul``'s; ``locality``: of x's prefetched rows,
+    ``cpu_kernels.MM_INPUT_LOCALITY``).  A float32 x's rows are rounded a group at a
+    time into a buffer of the row range, 16 values per ``ROUND`` call, where the
+    pairs are then read as from a bfloat16 x: the features under ``--prefer memory``,
+    which keeps no bfloat16 copy of them (``precision.py``).  A group multiplies 8 rows at a time,
     4 when a tile has 64 columns (AMD EPYC Zen 4, arxiv-size rows, 2 threads,
     interleaved: 32 -> 128 9.3 ms with 2 rows, 3.7 with 4, 3.9 with 6, 4.7 with 8; 128 ->
     32 4.7, 3.5, 3.4, 3.4; 32 -> 40 1.43 with 4, 1.35 with 8; 32 -> 16 1.56 with 4, 0.73
@@ -188,17 +192,20 @@ def matmul_dot(K: int, M: int, epilogue: tuple, extras: tuple, K2: int = 0,
             T.func_attr({"tirx.noalias": True})
             n, args, extra, out = product_args(K, M, extras, K2)
             groups = T.Bind((n + R - 1) // R)
-            imports = DOT_LL + (ROUND_LL if stored_bf16("out") else "")
-            with importing_llvm(imports):
+            rounds = stored_bf16("out") or not stored_bf16("x")
+            with importing_llvm(DOT_LL + (ROUND_LL if rounds else "")):
                 with T.parallel(0, CHUNKS) as p:
                     products = []
                     for x, w, Kp in args:
                         wp = pack_weight_pairs(w, Kp, M, MP)
                         # the pairs are read as raw bits: an alias of x's data as uint16
                         # keeps TVM's bfloat16 legalization away from the addresses
+                        xb = T.decl_buffer((n * Kp,), u16, data=x.data) \
+                            if str(x.dtype) == "bfloat16" else None
                         products.append(_Product(
-                            x, T.decl_buffer((n * Kp,), u16, data=x.data), Kp,
-                            T.decl_buffer((Kp // 2 * 2 * MP,), u16, data=wp.data)))
+                            x, xb, Kp, T.decl_buffer((Kp // 2 * 2 * MP,), u16, data=wp.data),
+                            T.alloc_buffer((R * Kp,), u16, scope="local") if xb is None
+                            else None))
                     per_tile = sum(q.shares for q in products)
                     shares = sum(count for _, count, _ in tiles) * per_tile
                     lo, hi = _row_range(groups, p, CHUNKS)
@@ -214,10 +221,12 @@ def matmul_dot(K: int, M: int, epilogue: tuple, extras: tuple, K2: int = 0,
 
 
 class _Product:
-    """One product of ``matmul_dot``: x, its bits (``xb``), K, the packed weight's bits."""
+    """One product of ``matmul_dot``: x, its bits (``xb``; None for a float32 x), K, the
+    packed weight's bits, and for a float32 x the buffer its group's rows are rounded
+    into (``xs``, R rows of K)."""
 
-    def __init__(self, x, xb, K: int, wpb):
-        self.x, self.xb, self.K, self.wpb = x, xb, K, wpb
+    def __init__(self, x, xb, K: int, wpb, xs=None):
+        self.x, self.xb, self.K, self.wpb, self.xs = x, xb, K, wpb, xs
         self.KS = min(MM_SHARE_K // 2, K // 2)  # pairs between two shares of prefetches
         self.shares = (K // 2) // self.KS
 
@@ -236,13 +245,16 @@ def _row_group(products, out, extra, extras, epilogue, n, g, R: int, M: int, MP:
 
     def k_step(q, kp):
         for r in range(R):
-            i = tirx.min(g * R + r, n - 1)
+            pair = q.xs[r * q.K + 2 * kp] if q.xb is None else \
+                q.xb[tirx.min(g * R + r, n - 1) * q.K + 2 * kp]
             for v in range(V):
                 T.evaluate(tirx.call_extern(
-                    "void", DOT, tirx.address_of(acc[r][v * LANES]),
-                    tirx.address_of(q.xb[i * q.K + 2 * kp]),
+                    "void", DOT, tirx.address_of(acc[r][v * LANES]), tirx.address_of(pair),
                     tirx.address_of(q.wpb[(kp * MP + c0 + v * LANES) * 2])))
     for q in products:
+        if q.xb is None:
+            for r in range(R):
+                _round_row(q.xs, r * q.K, q.x, tirx.min(g * R + r, n - 1), q.K)
         KP, KS = q.K // 2, q.KS
         with T.serial(0, q.shares) as s:  # the rows ahead, a share every KS pairs
             _prefetch_share(reads, (g + ahead) * R, R, n, share0 + s, shares)
@@ -263,6 +275,24 @@ def _row_group(products, out, extra, extras, epilogue, n, g, R: int, M: int, MP:
             else:
                 _features(width, lambda j, i=i, f=result: T.buffer_store(out, f(j),
                                                                          [i, c0 + j]))
+
+
+def _round_row(dst, base, x, i, K: int) -> None:
+    """dst[base + c] = bits of x[i, c] (float32) rounded to bfloat16, c < K: 16 and then 8
+    values per ``ROUND`` call, the last few by TVM's rounding (inside ``importing_round``)."""
+    db = T.decl_buffer(dst.shape, "bfloat16", data=dst.data)
+
+    def call(width: int, c):
+        T.evaluate(tirx.call_extern("void", f"{ROUND}{width}", tirx.address_of(dst[base + c]),
+                                    tirx.address_of(x[i, c])))
+    with T.serial(0, K // 16) as k:
+        call(16, k * 16)
+    done = K - K % 16
+    if K - done >= 8:
+        call(8, done)
+        done += 8
+    for c in range(done, K):
+        T.buffer_store(db, tirx.Cast("bfloat16", x[i, c]), [base + c])
 
 
 # ---------------------------------------------------------------- weight gradients
