@@ -129,10 +129,18 @@ def store_rounded(out, i, row, C: int, value, c0: int | tirx.PrimExpr = 0) -> No
     steps 41.8 -> 40.7 ms; losses bitwise equal."""
     _features(C, lambda c: T.buffer_store(row, value(c), [c]))
     raw = T.decl_buffer(out.shape, "uint16", data=out.data)
+    _rounded(C, lambda width, c: (raw[i, c0 + c], row[c]),
+             lambda c: T.buffer_store(out, row[c], [i, c0 + c]))
 
+
+def _rounded(C: int, where, rest) -> None:
+    """Round C float32 values to bfloat16 by ``ROUND`` calls, 16 and then 8 at a time:
+    ``where(width, c)`` gives the (destination bits, source) elements at which the call
+    for values c .. c + width - 1 starts; ``rest(c)`` stores each last value."""
     def call(width: int, c):
-        T.evaluate(tirx.call_extern("void", f"{ROUND}{width}",
-                                    tirx.address_of(raw[i, c0 + c]), tirx.address_of(row[c])))
+        dst, src = where(width, c)
+        T.evaluate(tirx.call_extern("void", f"{ROUND}{width}", tirx.address_of(dst),
+                                    tirx.address_of(src)))
     with T.serial(0, C // 16) as k:
         call(16, k * 16)
     done = C - C % 16
@@ -140,7 +148,7 @@ def store_rounded(out, i, row, C: int, value, c0: int | tirx.PrimExpr = 0) -> No
         call(8, done)
         done += 8
     for c in range(done, C):
-        T.buffer_store(out, row[c], [i, c0 + c])
+        rest(c)
 
 
 def supported(K: int, M: int) -> bool:
@@ -281,18 +289,8 @@ def _round_row(dst, base, x, i, K: int) -> None:
     """dst[base + c] = bits of x[i, c] (float32) rounded to bfloat16, c < K: 16 and then 8
     values per ``ROUND`` call, the last few by TVM's rounding (inside ``importing_round``)."""
     db = T.decl_buffer(dst.shape, "bfloat16", data=dst.data)
-
-    def call(width: int, c):
-        T.evaluate(tirx.call_extern("void", f"{ROUND}{width}", tirx.address_of(dst[base + c]),
-                                    tirx.address_of(x[i, c])))
-    with T.serial(0, K // 16) as k:
-        call(16, k * 16)
-    done = K - K % 16
-    if K - done >= 8:
-        call(8, done)
-        done += 8
-    for c in range(done, K):
-        T.buffer_store(db, tirx.Cast("bfloat16", x[i, c]), [base + c])
+    _rounded(K, lambda width, c: (dst[base + c], x[i, c]),
+             lambda c: T.buffer_store(db, tirx.Cast("bfloat16", x[i, c]), [base + c]))
 
 
 # ---------------------------------------------------------------- weight gradients
