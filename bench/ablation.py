@@ -13,7 +13,8 @@ with ``PassContext(disabled={PASS})``), and the bind-time decisions forced off:
 ``-reorder`` (the user's node order) and ``-loss-rows`` (every step on every row, not the
 training mask's rows alone: ``gcomp/codegen/loss_rows.py``); and ``prefer-memory``, the
 compiler's trade of speed for memory (``--prefer memory``: no wide buffer kept from the
-feed, no loss rows).  A pass that changes neither pipeline's IR for a model
+feed, no loss rows), and ``prefer-memory/-PASS`` for each pass that acts only then
+(``pack_relu_masks``).  A pass that changes neither pipeline's IR for a model
 (GAT's attention fusion for GCN, say) is reported as ``no change``, not timed.  Every
 configuration trains the same model from the same weights; before timing, each one's
 eval-mode output is checked against ``all``'s (max relative difference <= 1e-3; with
@@ -47,6 +48,8 @@ from gcomp.passes import Instrument  # TVM is not loaded yet: threads are set fi
 OPTIONAL_PASSES = ("cse", "fuse_aggregate", "fuse_attention", "reorder_linear",
                    "hoist_graph_static", "elide_broadcasts", "split_concat_products",
                    "rematerialize", "fuse_bias_grads", "fuse_epilogues", "fuse_loss_grad")
+# the passes that change nothing unless memory is preferred
+MEMORY_PASSES = ("pack_relu_masks",)
 DEFAULT_SIZES = {"cora": (2, 16), "pubmed-synth": (2, 16), "arxiv-synth": (3, 32)}
 
 
@@ -91,6 +94,9 @@ def configurations() -> dict[str, dict]:
     out["-loss-rows"] = dict(disabled=frozenset(), sparse=True, reorder="auto", loss_rows=False)
     out["prefer-memory"] = dict(disabled=frozenset(), sparse=True, reorder="auto",
                                 prefer="memory")
+    for p in MEMORY_PASSES:
+        out[f"prefer-memory/-{p}"] = dict(disabled=frozenset({p}), sparse=True,
+                                          reorder="auto", prefer="memory")
     return out
 
 
@@ -113,7 +119,7 @@ def run_model(wl, reps: int, warmup: int, log, only: list[str] | None = None,
             continue
         try:
             tr, options, info = make_trainer(wl, **cfg, precision=precision,
-                                             changes=changes if name == "all" else None)
+                                             changes=changes if name in ("all", "prefer-memory") else None)
         except Exception as e:  # noqa: BLE001 - the compiler's reason is the result
             entry[name] = {"status": "error", "reason": f"{type(e).__name__}: {e}"}
             log(f"  {name}: cannot compile: {type(e).__name__}: {str(e).splitlines()[0]}")

@@ -33,6 +33,7 @@ from gcomp.runtime.artifact import Artifact, new_manifest
 from gcomp.runtime.cpu_features import (AMX_MATTR, DOT_BF16_MATTR, host_has_amx,
                                         host_has_dot_bf16, isa_features,
                                         missing_features)
+from gcomp.runtime.memory import nominal_arena_bytes
 
 
 def _measurable(tgt: dict) -> dict:
@@ -124,6 +125,28 @@ def check_feature_width(model: Model, graph) -> None:
                   if len(n.ty.shape) == 2], CompileError)
 
 
+def _training_plan(model: Model, ctx: PassContext, formats, scatter: bool, tgt: dict):
+    """(training graph, plan, kernel specs).  A ReLU's signs packed for its gradient
+    (``pack_relu_masks``) free its output early, which shrinks the memory only where that
+    output was live at the busiest step; where the plan without them needs no larger an
+    arena (GCN: its busiest step is the loss's), the pipeline runs again without the pass
+    (and without instruments: they saw the first run) and that plan is kept."""
+    def run(c):
+        g = training_pipeline()(model.graph.copy(), c)
+        if "grads" not in g.meta:
+            raise CompileError("training needs the add_loss and autodiff passes; do not "
+                               "disable them")
+        return (g, *lower(g, formats, scatter, gpu=tgt["kind"] == "cuda", target=tgt))
+    packed = run(ctx)
+    if not any(n.op == Op.SIGN_BITS for n in packed[0]):
+        return packed
+    plain = run(dataclasses.replace(ctx, instruments=(),
+                                    disabled=ctx.disabled | {"pack_relu_masks"}))
+    carve = tgt["kind"] != "cuda"  # the GPU's buffers share whole allocations
+    smaller = nominal_arena_bytes(plain[1], carve) <= nominal_arena_bytes(packed[1], carve)
+    return plain if smaller else packed
+
+
 def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None = None,
                   mcpu: str | None = None, train: bool = False,
                   optimizer: OptimizerConfig | None = None,
@@ -178,12 +201,7 @@ def compile_model(model: Model, target: str = "llvm", *, ctx: PassContext | None
     train_plan, opt = None, None
     if train:
         opt = optimizer or OptimizerConfig()
-        tgraph = training_pipeline()(model.graph.copy(), ctx)
-        if "grads" not in tgraph.meta:
-            raise CompileError("training needs the add_loss and autodiff passes; do not "
-                               "disable them")
-        train_plan, tspecs = lower(tgraph, formats, scatter, gpu=tgt["kind"] == "cuda",
-                                   target=tgt)
+        tgraph, train_plan, tspecs = _training_plan(model, ctx, formats, scatter, tgt)
         train_plan.loss = tgraph.outputs[0].name
         train_plan.grads = dict(tgraph.meta["grads"])
         add_optimizer(train_plan, tspecs, opt, one_kernel=tgt["kind"] == "cuda")

@@ -107,6 +107,20 @@ def test_every_model_trains_with_atomic_scatters_through_nvcc(name, precision, t
     assert art.info()["deterministic"] == (name == "gat")
 
 
+@pytest.mark.parametrize("stored", [False, True], ids=["fp32", "bf16"])
+def test_relu_sign_kernels_compile_for_cuda(stored, tmp_path):
+    """The kernels of ``pack_relu_masks`` (which the compiler keeps for a CUDA plan only
+    where its whole allocations shrink) through nvcc: both in the fatbin."""
+    from gcomp.codegen.build import build_library, make_target
+    from gcomp.codegen.kernels import KernelSpec
+    specs = [KernelSpec.make("sign_bits", F=40, **({"bf16": ("x",)} if stored else {})),
+             KernelSpec.make("mask_bits", F=40, **({"bf16": ("dy", "ewise")} if stored else {}))]
+    lib = build_library({s.name: s for s in specs}, make_target("cuda"))
+    dev = cuda_build.inspect_library(lib)
+    for s in specs:
+        assert any(d.startswith(f"{s.name}_kernel") for d in dev["kernels"]), s.name
+
+
 @pytest.mark.parametrize("op", OPS_BEYOND_MODELS)
 def test_op_kernels_compile_for_cuda(op, tmp_path):
     from test_autodiff import OPS, Fn

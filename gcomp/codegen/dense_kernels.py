@@ -19,6 +19,7 @@ from gcomp.codegen import epilogue as epi
 from gcomp.codegen.fastmath import fast_exp, fast_tanh, lanes_of, like
 from gcomp.codegen.kernels import arg, definer, env_knob, stored_bf16
 from gcomp.errors import CompileError
+from gcomp.ir.ops import BITS
 
 
 def _input(shape, name: str):
@@ -463,6 +464,42 @@ def ewise_grad(op: str, wrt: int, attrs: tuple, in_shapes: tuple, out_shape: tup
 
     out = _result(_dims(out_shape, n), body, "ewise")
     return te.create_prim_func(ins + [out])
+
+
+@definer("sign_bits")
+def sign_bits(F: int):
+    """The signs of x [n, F] packed 32 to an int32 word (``Op.SIGN_BITS``): bit b of word w
+    is x[i, 32 w + b] > 0; bits past F are 0 (their loads are clamped into the row)."""
+    n = tirx.Var("n", "int64")
+    x = _input((n, F), "x")
+
+    def body(i, w):
+        word = tirx.const(0, "int32")
+        for b in range(BITS):
+            f = w * BITS + b
+            on = tirx.And(f < F, _load(x, (i, tirx.min(f, F - 1))) > _f32(0))
+            word = word | tirx.Select(on, tirx.const(-(1 << b) if b == BITS - 1 else 1 << b,
+                                                     "int32"), tirx.const(0, "int32"))
+        return word
+
+    out = te.compute((n, -(-F // BITS)), body, name="ewise")
+    return te.create_prim_func([x, out])
+
+
+@definer("mask_bits")
+def mask_bits(F: int):
+    """dy [n, F] where the bit ``sign_bits`` packed for the element is set, else 0."""
+    n = tirx.Var("n", "int64")
+    dy = _input((n, F), "dy")
+    bits = te.placeholder((n, -(-F // BITS)), "int32", name="bits")
+
+    def body(i, j):
+        bit = tirx.Cast("int32", tirx.floormod(j, BITS))
+        on = (bits[i, tirx.floordiv(j, BITS)] >> bit) & tirx.const(1, "int32")
+        return tirx.Select(on != tirx.const(0, "int32"), _load(dy, (i, j)), _f32(0))
+
+    out = _result((n, F), body, "ewise")
+    return te.create_prim_func([dy, bits, out])
 
 
 @definer("broadcast")

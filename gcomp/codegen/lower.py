@@ -758,6 +758,17 @@ class _Lowering:
         s = self.step(n, spec, [self.arg(i) for i in n.inputs] + [self.arg(n)])
         _in_place(s, [k for k, i in enumerate(n.inputs) if i.ty == n.ty])
 
+    def lower_sign_bits(self, n: Node) -> None:
+        self.buffer(n)
+        spec = KernelSpec.make("sign_bits", F=int(n.inputs[0].ty.shape[1]))
+        self.step(n, spec, [self.arg(n.inputs[0]), self.arg(n)])
+
+    def lower_mask_bits(self, n: Node) -> None:
+        self.buffer(n)
+        spec = KernelSpec.make("mask_bits", F=int(n.ty.shape[1]))
+        s = self.step(n, spec, [self.arg(i) for i in n.inputs] + [self.arg(n)])
+        _in_place(s, [0])
+
     def lower_broadcast_to(self, n: Node) -> None:
         x = n.inputs[0]
         self.buffer(n)

@@ -14,7 +14,7 @@ import numpy as np
 
 from gcomp.errors import InputError
 from gcomp.ir.graph import Graph
-from gcomp.ir.ops import Op
+from gcomp.ir.ops import BITS, Op
 from gcomp.ir.rng import keep_mask
 from gcomp.ir.types import GraphType
 
@@ -236,6 +236,22 @@ _BINARY = {
 _REDUCE = {Op.SUM: np.sum, Op.MEAN: np.mean, Op.MAX: np.max}
 
 
+def sign_bits(y: np.ndarray) -> np.ndarray:
+    """int32 [N, ceil(F / 32)]: bit b of word w is y[:, 32 w + b] > 0."""
+    n, f = y.shape
+    pos = np.zeros((n, -(-f // BITS) * BITS), dtype=np.uint64)
+    pos[:, :f] = y > 0
+    words = (pos.reshape(n, -1, BITS) << np.arange(BITS, dtype=np.uint64)).sum(axis=2)
+    return words.astype(np.uint32).view(np.int32)
+
+
+def unpack_bits(bits: np.ndarray, f: int) -> np.ndarray:
+    """The [N, f] booleans ``sign_bits`` packed."""
+    words = bits.astype(np.int32).view(np.uint32).astype(np.uint64)
+    flat = (words[:, :, None] >> np.arange(BITS, dtype=np.uint64)) & 1
+    return flat.reshape(len(bits), -1)[:, :f].astype(bool)
+
+
 def evaluate_node(n, args: list, num_nodes: int):
     """Value of node ``n`` given the values of its inputs."""
     a = n.attrs
@@ -299,6 +315,11 @@ def evaluate_node(n, args: list, num_nodes: int):
         return dy * p * (m / m.sum())[:, None]
     if op == Op.ELEMENTWISE_GRAD:
         return _elementwise_grad(Op(a["op"]), a["wrt"], a, args[0], args[1:])
+    if op == Op.SIGN_BITS:
+        return sign_bits(args[0])
+    if op == Op.MASK_BITS:
+        dy, bits = args
+        return np.where(unpack_bits(bits, dy.shape[1]), dy, 0.0)
     if op == Op.BROADCAST_TO:
         shape = (args[1].shape if a["shape"] is None
                  else [num_nodes if d == "N" else d for d in a["shape"]])

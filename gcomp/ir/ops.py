@@ -44,6 +44,9 @@ times dy; with ``of_output`` the derivative is computed from the op's output,
 which keeps activations' inputs out of memory), ``cross_entropy_grad``, ``edge_dot``
 (out[e] = sum_c x[src(e),..,c] * y[dst(e),..,c]), ``attention_grad_dst`` /
 ``attention_grad_src`` (the backward of ``attention_aggregate``, below),
+``sign_bits(y)`` (int32 [N, ceil(F / 32)] for y [N, F]: bit b of word w is y[i, 32 w + b]
+> 0) and ``mask_bits(dy, bits)`` (dy where that bit is set, else 0: a ReLU's gradient from
+a sixteenth of the bytes of its bfloat16 output, ``pack_relu_masks``),
 ``aggregate_argmax`` /
 ``scatter_argmax`` (the first in-edge in edge order holding the maximum, -1 if
 none) and ``aggregate_max_grad`` / ``scatter_max_grad`` (route dy to it).
@@ -138,6 +141,8 @@ class Op(str, Enum):
     SCATTER_MAX_GRAD = "scatter_max_grad"
     ATTENTION_GRAD_DST = "attention_grad_dst"
     ATTENTION_GRAD_SRC = "attention_grad_src"
+    SIGN_BITS = "sign_bits"
+    MASK_BITS = "mask_bits"
 
     def __str__(self) -> str:
         return self.value
@@ -498,6 +503,26 @@ def _infer_elementwise_grad(node) -> Type:
     return TensorType(shape, "float32")
 
 
+BITS = 32  # signs per word of ``sign_bits``
+
+
+def _infer_sign_bits(node) -> Type:
+    y = _node_tensor(node, 0)
+    if y.rank != 2 or not isinstance(y.shape[1], int) or y.dtype != "float32":
+        _fail(node, f"needs a float32 node tensor [N, F] with a static F, got {y}")
+    return TensorType((y.shape[0], -(-y.shape[1] // BITS)), "int32")
+
+
+def _infer_mask_bits(node) -> Type:
+    dy, bits = _node_tensor(node, 0), _node_tensor(node, 1)
+    if dy.rank != 2 or not isinstance(dy.shape[1], int) or dy.dtype != "float32":
+        _fail(node, f"needs a float32 node tensor [N, F] with a static F, got {dy}")
+    want = TensorType((dy.shape[0], -(-dy.shape[1] // BITS)), "int32")
+    if bits != want:
+        _fail(node, f"bits {bits} do not match {dy}: expected {want}")
+    return dy
+
+
 def _infer_broadcast_to(node) -> Type:
     x = _tensor(node, 0)
     shape = node.attrs["shape"]
@@ -621,6 +646,8 @@ OPS: dict[Op, OpDef] = {d.op: d for d in [
     OpDef(Op.SCATTER_MAX_GRAD, (3, 3), {}, _infer_max_grad),
     OpDef(Op.ATTENTION_GRAD_DST, (5, 6), _ATTENTION_ATTRS, _infer_attention_grad_dst),
     OpDef(Op.ATTENTION_GRAD_SRC, (5, 6), _ATTENTION_ATTRS, _infer_attention_grad_src),
+    OpDef(Op.SIGN_BITS, (1, 1), {}, _infer_sign_bits),
+    OpDef(Op.MASK_BITS, (2, 2), {}, _infer_mask_bits),
 ]}
 
 

@@ -14,6 +14,7 @@ from gcomp.passes.fuse_epilogues import FuseEpilogues
 from gcomp.passes.fuse_loss_grad import FuseLossGrad
 from gcomp.passes.hoist_graph_static import HoistGraphStatic
 from gcomp.passes.manager import Instrument, Pass, PassContext, PassError, PassManager
+from gcomp.passes.pack_relu_masks import PackReluMasks
 from gcomp.passes.rematerialize import Rematerialize
 from gcomp.passes.reorder_linear import ReorderLinear
 from gcomp.passes.split_concat import SplitConcatProducts
@@ -23,8 +24,8 @@ PASSES = {p.name: p for p in (EvalMode, Canonicalize, CommonSubexprElimination, 
                               FuseAttention,
                               ReorderLinear, DeadCodeElimination, HoistGraphStatic,
                               FuseEpilogues, AddLoss, Autodiff, ElideBroadcasts,
-                              SplitConcatProducts, Rematerialize, FuseBiasGrads,
-                              FuseLossGrad)}
+                              SplitConcatProducts, Rematerialize, PackReluMasks,
+                              FuseBiasGrads, FuseLossGrad)}
 
 
 def default_pipeline() -> PassManager:
@@ -55,6 +56,7 @@ def training_pipeline() -> PassManager:
         ElideBroadcasts(),     # a sum's gradient read broadcast, not copied
         SplitConcatProducts(), # a GRU's gate gradients read as parts, not concatenated
         Rematerialize(),       # cheap elementwise values recomputed, not kept for backward
+        PackReluMasks(),       # --prefer memory: a ReLU's gradient reads its signs, 32 a word
         DeadCodeElimination(),
         HoistGraphStatic(),    # degrees and norms of both directions: once per bound graph
         FuseBiasGrads(),       # a bias's column sums in its weight gradient's kernel
@@ -67,4 +69,5 @@ __all__ = ["PASSES", "default_pipeline", "training_pipeline", "Instrument", "Pas
            "PassContext", "PassError", "PassManager", "AddLoss", "Autodiff", "Canonicalize",
            "CommonSubexprElimination", "DeadCodeElimination", "ElideBroadcasts", "EvalMode",
            "FuseAggregate", "FuseAttention", "FuseBiasGrads", "FuseEpilogues", "FuseLossGrad",
-           "HoistGraphStatic", "Rematerialize", "ReorderLinear", "SplitConcatProducts"]
+           "HoistGraphStatic", "PackReluMasks", "Rematerialize", "ReorderLinear",
+           "SplitConcatProducts"]

@@ -196,6 +196,20 @@ def _share_allocations(roots, first, last, size, steps):
     return slots, slot_bytes, [(s, 0) for s in range(len(slot_bytes))], list(slot_bytes)
 
 
+def nominal_arena_bytes(plan: Plan, carve: bool = True, nodes: int = 100_000,
+                        degree: int = 10) -> int:
+    """The run-phase storage ``plan`` needs (``carve``: ``plan_memory``'s) for a graph of
+    ``nodes`` nodes and ``degree`` edges a node in every graph value, every row a loss row
+    and no sparse-feature buffers: how the compiler compares two plans of one model before
+    any graph is bound."""
+    sizes = {"N": nodes, "L": nodes}
+    for gs in plan.graphs:
+        sizes[f"E:{gs['name']}"] = sizes[f"E:{gs['name']}|L"] = nodes * degree
+    for v in plan.variants.values():
+        sizes[f"NNZ:{v['input']}"] = 0
+    return plan_memory(plan, sizes, carve=carve).planned_bytes
+
+
 def graph_array_bytes(plan: Plan, structures: dict) -> dict[str, int]:
     """Bytes of each graph array the plan's kernels read (``"<graph>.<array>"``), as the
     bound graphs ``structures`` (graph name -> ``GraphStructure``) hold them: stored

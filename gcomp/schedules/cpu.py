@@ -100,7 +100,8 @@ def schedule(sch, spec) -> None:
         sch.parallel(sch.get_loops(sch.get_sblock("norm"))[0])
     elif kind == "matmul":
         _matmul(sch, p["M"], bool(p.get("epilogue")))
-    elif kind in ("ewise", "ewise_grad", "ewise_chain", "broadcast", "slice", "transpose"):
+    elif kind in ("ewise", "ewise_grad", "ewise_chain", "broadcast", "slice", "transpose",
+                  "sign_bits", "mask_bits"):
         _elementwise(sch, "ewise")
     elif kind == "concat":
         _elementwise(sch, "concat")

@@ -551,7 +551,8 @@ def schedule(sch, spec) -> None:
         _edge_dot(sch)
     elif kind in ("adam", "sgd", "adam_all", "sgd_all"):
         _elementwise(sch, kind.removesuffix("_all"))
-    elif kind in ("ewise", "ewise_grad", "ewise_chain", "broadcast", "slice", "transpose"):
+    elif kind in ("ewise", "ewise_grad", "ewise_chain", "broadcast", "slice", "transpose",
+                  "sign_bits", "mask_bits"):
         _elementwise(sch, "ewise")
     elif kind == "concat":
         _elementwise(sch, "concat")
