@@ -178,7 +178,7 @@ def markdown(results: dict) -> str:
                     cells.append(r.get("status", "-"))
                 else:
                     cells.append(f"{r['median_s'] * 1e3:.1f}" +
-                                 ("" if n == "all" else f" ({r.get('slowdown', 0):.2f}x)"))
+                                 (f" ({r['slowdown']:.2f}x)" if "slowdown" in r else ""))
             lines.append(f"| {m} | " + " | ".join(cells) + " |")
         lines.append("")
         rss = {m: {n: e.get(n, {}).get("memory", {}).get("extra_mb") for n in names}
