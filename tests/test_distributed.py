@@ -147,13 +147,17 @@ def artifacts(tmp_path_factory):
         p = d / f"{name}-{dropout}-{layers}.gcomp"
         compile_model(m, "llvm", train=True).save(p)
         paths.append(str(p))
-    # and GIN with memory preferred: its hidden aggregations computed again in the backward
-    # pass (rematerialize), exchanging h's halo rows again there
+    # and GIN and GraphSAGE with memory preferred: their hidden aggregations computed again
+    # in the backward pass (rematerialize), exchanging h's halo rows again there, and
+    # GraphSAGE's ReLU gradient masked by its packed signs (pack_relu_masks)
     from gcomp.passes import PassContext
-    m = models.build("gin", 1433, hidden=16, out_channels=7, layers=3, dropout=0.0)
-    p = d / "gin-memory.gcomp"
-    compile_model(m, "llvm", train=True, ctx=PassContext(options={"prefer": "memory"})).save(p)
-    paths.append(str(p))
+    for name in ("gin", "sage"):
+        m = models.build(name, 1433, hidden=16, out_channels=7, layers=3, dropout=0.0)
+        p = d / f"{name}-memory.gcomp"
+        art = compile_model(m, "llvm", train=True, ctx=PassContext(options={"prefer": "memory"}))
+        assert any(s["op"] == "mask_bits" for s in art.train_plan.steps) == (name == "sage")
+        art.save(p)
+        paths.append(str(p))
     (d / "worker.py").write_text(WORKER)
     return d, paths
 
