@@ -63,7 +63,8 @@ def test_model_gradients_equal_the_interpreter(name):
 def test_gradients_with_memory_preferred_equal_the_interpreter(name):
     """``--prefer memory``: aggregations of fed values at the narrow width every step, and
     GraphSAGE's and GIN's aggregations that a weight gradient reads computed again in the
-    backward pass (rematerialize): the same loss and gradients."""
+    backward pass (rematerialize), ReLU gradients masked by packed signs (pack_relu_masks):
+    the same loss and gradients."""
     from gcomp.passes import PassContext
     g = labelled(awkward_graph(num_nodes=70, num_edges=400, num_features=6, seed=3), 3)
     m = models.build(name, 6, hidden=8, out_channels=3, layers=3, heads=2, dropout=0.3, seed=1)
@@ -72,6 +73,9 @@ def test_gradients_with_memory_preferred_equal_the_interpreter(name):
     again = [s for s in tr.artifact.train_plan.steps
              if s["op"] == "aggregate" and ".again" in s["node"]]
     assert bool(again) == (name in ("sage", "gin"))  # not of a dropout's output: not kept
+    # the ReLUs, read last by dropout in the forward pass, masked by their packed signs
+    masked = [s for s in tr.artifact.train_plan.steps if s["op"] == "mask_bits"]
+    assert bool(masked) == (name != "gat")  # GAT's activation is an ELU
 
 
 @pytest.mark.parametrize("name,hidden,heads", [("gat", 20, 3), ("gat", 5, 2), ("sage", 45, 1),
