@@ -43,10 +43,29 @@ def test_signs_round_trip(F):
     assert (words == np.array(expect)).all()
 
 
-def _operand(a, bf16: bool):
-    if bf16:
-        return tvm_ffi.from_dlpack(bf16_bits(a))._create_view(a.shape, "bfloat16")
-    return tvm.runtime.tensor(a)
+class _Operand:
+    """A kernel argument from float32 values: stored as they are, or as bfloat16 bits the
+    tensor views (64-byte aligned; the bits and the tensor they were imported as are held
+    here, so the kernel never touches freed memory)."""
+
+    def __init__(self, a: np.ndarray, bf16: bool):
+        if bf16:  # on 64 bytes, as the generic kernels assume of every argument
+            raw = np.empty(a.size + 32, np.uint16)
+            skip = (-raw.ctypes.data % 64) // 2
+            self.host = raw[skip:skip + a.size].reshape(a.shape)
+            self.host[...] = bf16_bits(a)
+            assert self.host.ctypes.data % 64 == 0
+            self.imported = tvm_ffi.from_dlpack(self.host)
+            self.tensor = self.imported._create_view(a.shape, "bfloat16")
+        else:
+            self.host = np.ascontiguousarray(a, np.float32)
+            self.tensor = tvm.runtime.tensor(self.host)
+
+    def values(self) -> np.ndarray:
+        """What the kernel left there, in float64."""
+        if self.host.dtype == np.uint16:
+            return widen_bf16(self.host)
+        return self.tensor.numpy().astype(np.float64)
 
 
 @pytest.mark.parametrize("stored", [False, True], ids=["fp32", "bf16"])
@@ -64,14 +83,12 @@ def test_kernels_equal_the_ops(F, stored):
     lib = tvm.compile(schedule_module({s1.name: s1, s2.name: s2}, tgt),
                       target=tvm.target.Target(tgt))
     words = tvm.runtime.tensor(np.zeros((n, -(-F // 32)), np.int32))
-    lib[s1.name](_operand(y, stored), words)
-    y_read = widen_bf16(bf16_bits(y)) if stored else y.astype(np.float64)
-    assert (words.numpy() == sign_bits(y_read)).all()
-    out = _operand(np.zeros((n, F), np.float32), stored)
-    lib[s2.name](_operand(dy, stored), words, out)
-    got = widen_bf16(out.numpy().view(np.uint16)) if stored else out.numpy()
-    dy_read = widen_bf16(bf16_bits(dy)) if stored else dy
-    assert (got == np.where(y_read > 0, dy_read, 0.0)).all()
+    y_in, dy_in = _Operand(y, stored), _Operand(dy, stored)
+    out = _Operand(np.full((n, F), 7.0, np.float32), stored)
+    lib[s1.name](y_in.tensor, words)
+    assert (words.numpy() == sign_bits(y_in.values())).all()
+    lib[s2.name](dy_in.tensor, words, out.tensor)
+    assert (out.values() == np.where(y_in.values() > 0, dy_in.values(), 0.0)).all()
 
 
 PACK_BEFORE = """graph t(%x: f32[N,8], %g: graph<coo>, %dy: f32[N,40]) {
