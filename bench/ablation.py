@@ -118,8 +118,9 @@ def run_model(wl, reps: int, warmup: int, log, only: list[str] | None = None,
             log(f"  {name}: the pass changes nothing for this model")
             continue
         try:
+            watched = name in ("all", "prefer-memory")  # where the passes' changes show
             tr, options, info = make_trainer(wl, **cfg, precision=precision,
-                                             changes=changes if name in ("all", "prefer-memory") else None)
+                                             changes=changes if watched else None)
         except Exception as e:  # noqa: BLE001 - the compiler's reason is the result
             entry[name] = {"status": "error", "reason": f"{type(e).__name__}: {e}"}
             log(f"  {name}: cannot compile: {type(e).__name__}: {str(e).splitlines()[0]}")

@@ -19,7 +19,7 @@ from gcomp.codegen import epilogue as epi
 from gcomp.codegen.fastmath import fast_exp, fast_tanh, lanes_of, like
 from gcomp.codegen.kernels import arg, definer, env_knob, stored_bf16
 from gcomp.errors import CompileError
-from gcomp.ir.ops import BITS
+from gcomp.ir.ops import BITS, sign_words
 
 
 def _input(shape, name: str):
@@ -482,7 +482,7 @@ def sign_bits(F: int):
                                                      "int32"), tirx.const(0, "int32"))
         return word
 
-    out = te.compute((n, -(-F // BITS)), body, name="ewise")
+    out = te.compute((n, sign_words(F)), body, name="ewise")
     return te.create_prim_func([x, out])
 
 
@@ -491,7 +491,7 @@ def mask_bits(F: int):
     """dy [n, F] where the bit ``sign_bits`` packed for the element is set, else 0."""
     n = tirx.Var("n", "int64")
     dy = _input((n, F), "dy")
-    bits = te.placeholder((n, -(-F // BITS)), "int32", name="bits")
+    bits = te.placeholder((n, sign_words(F)), "int32", name="bits")
 
     def body(i, j):
         bit = tirx.Cast("int32", tirx.floormod(j, BITS))

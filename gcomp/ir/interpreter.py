@@ -14,7 +14,7 @@ import numpy as np
 
 from gcomp.errors import InputError
 from gcomp.ir.graph import Graph
-from gcomp.ir.ops import BITS, Op
+from gcomp.ir.ops import BITS, Op, sign_words
 from gcomp.ir.rng import keep_mask
 from gcomp.ir.types import GraphType
 
@@ -239,7 +239,7 @@ _REDUCE = {Op.SUM: np.sum, Op.MEAN: np.mean, Op.MAX: np.max}
 def sign_bits(y: np.ndarray) -> np.ndarray:
     """int32 [N, ceil(F / 32)]: bit b of word w is y[:, 32 w + b] > 0."""
     n, f = y.shape
-    pos = np.zeros((n, -(-f // BITS) * BITS), dtype=np.uint64)
+    pos = np.zeros((n, sign_words(f) * BITS), dtype=np.uint64)
     pos[:, :f] = y > 0
     words = (pos.reshape(n, -1, BITS) << np.arange(BITS, dtype=np.uint64)).sum(axis=2)
     return words.astype(np.uint32).view(np.int32)

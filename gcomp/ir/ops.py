@@ -506,18 +506,26 @@ def _infer_elementwise_grad(node) -> Type:
 BITS = 32  # signs per word of ``sign_bits``
 
 
+def sign_words(f: int) -> int:
+    """Words ``sign_bits`` packs the signs of f features into."""
+    return -(-f // BITS)
+
+
+def _signs_type(node, i: int) -> TensorType:
+    """The int32 words of input i's signs; input i must be a float32 [N, F], F static."""
+    t = _node_tensor(node, i)
+    if t.rank != 2 or not isinstance(t.shape[1], int) or t.dtype != "float32":
+        _fail(node, f"needs a float32 node tensor [N, F] with a static F, got {t}")
+    return TensorType((t.shape[0], sign_words(t.shape[1])), "int32")
+
+
 def _infer_sign_bits(node) -> Type:
-    y = _node_tensor(node, 0)
-    if y.rank != 2 or not isinstance(y.shape[1], int) or y.dtype != "float32":
-        _fail(node, f"needs a float32 node tensor [N, F] with a static F, got {y}")
-    return TensorType((y.shape[0], -(-y.shape[1] // BITS)), "int32")
+    return _signs_type(node, 0)
 
 
 def _infer_mask_bits(node) -> Type:
-    dy, bits = _node_tensor(node, 0), _node_tensor(node, 1)
-    if dy.rank != 2 or not isinstance(dy.shape[1], int) or dy.dtype != "float32":
-        _fail(node, f"needs a float32 node tensor [N, F] with a static F, got {dy}")
-    want = TensorType((dy.shape[0], -(-dy.shape[1] // BITS)), "int32")
+    want = _signs_type(node, 0)
+    dy, bits = _tensor(node, 0), _node_tensor(node, 1)
     if bits != want:
         _fail(node, f"bits {bits} do not match {dy}: expected {want}")
     return dy

@@ -3,9 +3,11 @@
 Expects: a verified graph after autodiff and rematerialize, in the order lowering will
 run it (the pass compares readers' positions).
 Guarantees: the same values.  Where the gradient of ``y = relu(...)`` (autodiff's
-``elementwise_grad[op="relu", of_output]``, dy * (y > 0)) is y's last reader and y is a
-float32 node tensor [N, F], the gradient reads the signs of y packed 32 to a word
-instead, taken just after y is computed: ``mask_bits(dy, sign_bits(y))``.  y's storage is
+``elementwise_grad[op="relu", of_output]``, dy * (y > 0)) is y's last reader, y is a
+float32 node tensor [N, F] and not an output, and a node-sized buffer that an aggregation
+or a product reads is made and freed between y's last value reader and the gradient (y
+held there adds to the memory in use), the gradient reads the signs of y packed 32 to a
+word instead, taken just after y is computed: ``mask_bits(dy, sign_bits(y))``.  y's storage is
 then free after its last value reader (a weight gradient, an aggregation computed again)
 rather than held through the backward steps in between until its gradient: GraphSAGE's
 last hidden activation, [N, 32], stays alive through its layer's whole backward pass for
@@ -43,8 +45,8 @@ def _packable(g: Node, at: dict, outputs: list) -> bool:
     readers = [at[u] for u in y.users if u is not g]
     if not readers or max(readers) > at[g]:
         return False
-    return any(_held_between(v, max(readers), at[g], at) for v in at
-               if max(readers) < at[v] < at[g])
+    last = max(readers)
+    return any(_held_between(v, last, at[g], at) for v in at if last < at[v] < at[g])
 
 
 def _held_between(v: Node, start: int, end: int, at: dict) -> bool:
