@@ -4,6 +4,7 @@ rule and the GPU's block rule, against degrees and gather distances computed her
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import gcomp.models as models
 from gcomp.cli import main
@@ -77,3 +78,95 @@ def test_cuda_plans_bind_skewed_graphs_in_degree_order(capsys):
                  "pubmed-synth"]) == 0
     out = capsys.readouterr().out
     assert "node order: degree (GPU, degrees' CV" in out
+
+
+# ------------------------------------------------------------------ bind-time arithmetic
+def test_stable_groups_is_numpys_stable_argsort():
+    """The counting sort that builds CSR (and CSC) orders edges exactly as numpy's stable
+    argsort of their keys does, with the group sizes bincount gives."""
+    from gcomp.runtime.graph import GraphStructure, stable_groups
+    rng = np.random.default_rng(0)
+    for n, e in [(0, 0), (5, 0), (1, 7), (40, 1000), (1000, 300)]:
+        for dtype in (np.int64, np.int32):
+            keys = rng.integers(0, max(n, 1), e).astype(dtype) if n else np.zeros(0, dtype)
+            indptr, order = stable_groups(keys, n)
+            assert indptr.dtype == np.int64 and order.dtype == np.int64
+            np.testing.assert_array_equal(order, np.argsort(keys, kind="stable"))
+            np.testing.assert_array_equal(np.diff(indptr), np.bincount(keys, minlength=n))
+    ei = rng.integers(0, 50, (2, 600))
+    st = GraphStructure.from_edge_index(ei, 50)
+    ref = np.argsort(ei[1], kind="stable")
+    np.testing.assert_array_equal(st.perm, ref)
+    np.testing.assert_array_equal(st.indices, ei[0][ref])
+    np.testing.assert_array_equal(st.csc_eid, np.argsort(st.indices, kind="stable"))
+    np.testing.assert_array_equal(st.csc_indices, st.rows[st.csc_eid])
+
+
+def test_gaps_summed_in_chunks_equal_the_whole_arrays(monkeypatch):
+    """Mean gather distance and bandwidth, computed a chunk of edges at a time (and in an
+    order given by positions), against float64 numpy on the whole arrays."""
+    import gcomp.runtime.formats as fmts
+    import gcomp.runtime.reorder as ro
+    monkeypatch.setattr(ro, "GAP_CHUNK", 97)  # chunks that do not divide the edges
+    rng = np.random.default_rng(1)
+    ei = rng.integers(0, 3000, (2, 1000))
+    pos = rng.permutation(3000)
+    for position in (None, pos):
+        s, d = ei if position is None else position[ei]
+        gaps = np.abs(s.astype(np.float64) - d)
+        assert ro.mean_distance(ei, position) == pytest.approx(gaps.mean(), rel=1e-12)
+        assert fmts.band_block(ei, position) == fmts.band_block(np.stack([s, d]))
+        assert fmts.band_block(ei, position) == -(-int(gaps.max()) // 8) * 8
+
+
+def _long_edges_band(n=256, edges=4000, reach=12):
+    """A band numbered in order but for a few edges across the whole graph: the given
+    order has the smallest mean gather distance, and its band is as wide as the graph."""
+    rng = np.random.default_rng(0)
+    dst = rng.integers(0, n, edges)
+    src = np.clip(dst + rng.integers(-reach, reach + 1, edges), 0, n - 1)
+    src[:4], dst[:4] = [0, 1, n - 1, n - 2], [n - 1, n - 2, 0, 1]
+    return GraphData("band", n, np.stack([src, dst]),
+                     rng.standard_normal((n, 12)).astype(np.float32),
+                     rng.uniform(0.1, 2.0, edges).astype(np.float32), None)
+
+
+def test_rcm_for_the_band_is_computed_once_and_kept_only_where_the_band_fits(monkeypatch):
+    """A graph whose feature rows miss the cache gets RCM from the node-order model; when
+    the banded format would pay, the same order is tried for the band, not computed again.
+    It is kept where it narrows the band enough for the banded format to fit, and the
+    graph stays as given where it narrows the band but not enough (the structures are
+    then built once, in the given order)."""
+    import gcomp.runtime.executor as ex
+    import gcomp.runtime.formats as fmts
+    import gcomp.runtime.reorder as ro
+    from tests.test_formats import _plan_with_costs
+    calls = []
+
+    def counted(g):
+        calls.append(g)
+        return rcm(g)
+    rcm = ro.rcm_order
+    monkeypatch.setattr(ro, "rcm_order", counted)
+    monkeypatch.setattr(ex, "rcm_order", counted)
+    monkeypatch.setattr(ro, "CACHE_BYTES", 0)  # the rows miss the cache: orders compared
+    g = _long_edges_band()
+    plan = _plan_with_costs(1.0, 10.0, 0.1)  # banded predicted far faster than CSR
+    lay = decide_layout(plan, g)
+    assert len(calls) == 1
+    assert lay.reorder["mean_distance"]["rcm"] > 0.5 * lay.reorder["mean_distance"]["given"]
+    assert lay.reorder["chosen"] == "rcm" and "band" in lay.reorder["reason"]
+    assert list(lay.chosen.values()) == ["banded"]
+    assert lay.block < fmts.band_block(g.edge_index)
+    # a banded layout that fits only in a band narrower than RCM's: the given order stays
+    monkeypatch.setattr(fmts, "BAND_MAX_BYTES", g.num_nodes * 3 * (lay.block - 8) * 4)
+    built = []
+    structures = ex.structures_of
+    monkeypatch.setattr(ex, "structures_of", lambda *a: built.append(a) or structures(*a))
+    calls.clear()
+    kept = decide_layout(plan, g)
+    assert len(calls) == 1 and len(built) == 1
+    assert kept.reorder["chosen"] == "given" and kept.order is None
+    (entry,) = kept.formats.values()  # the band would pay in the narrowest band: RCM tried
+    assert entry["banded_narrowest_ms"] < entry["cost_ms"]["csr"]
+    assert list(kept.chosen.values()) == ["csr"]

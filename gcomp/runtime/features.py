@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 import scipy.sparse as sp
 
+from gcomp.runtime.graph import stable_groups
+
 
 def sparsity(x) -> float:
     """Fraction of zeros, 1 - nnz / (N * F)."""
@@ -40,11 +42,8 @@ class SparseFeatures:
         self.indices = csr.indices.astype(np.int32)
         self.rows = np.repeat(np.arange(n, dtype=np.int32), np.diff(csr.indptr))
         self.values = csr.data.astype(np.float32).reshape(-1, 1)
-        order = np.argsort(self.indices, kind="stable")
-        self.csc_eid = order.astype(np.int64)
-        self.csc_indices = self.rows[order]
-        counts = np.bincount(self.indices, minlength=f)
-        self.csc_indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self.csc_indptr, self.csc_eid = stable_groups(self.indices, f)
+        self.csc_indices = self.rows[self.csc_eid]
 
     def array(self, name: str) -> np.ndarray:
         return getattr(self, name)

@@ -39,7 +39,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from gcomp.errors import InputError
-from gcomp.runtime.reorder import CACHE_BYTES
+from gcomp.runtime.reorder import CACHE_BYTES, edge_gaps
 
 FORMATS = ("csr", "dense", "banded", "ell")
 MODES = ("auto",) + FORMATS
@@ -62,13 +62,15 @@ def _round_up(v: int) -> int:
     return max(GROUP, -(-int(v) // GROUP) * GROUP)
 
 
-def band_block(edge_index: np.ndarray) -> int:
-    """The block size of the banded format in this node order: the bandwidth (largest
-    |src - dst|) rounded up to a multiple of GROUP.  Edges then join rows at most one
-    block apart: |i - j| <= B implies |i // B - j // B| <= 1."""
+def band_block(edge_index: np.ndarray, position: np.ndarray | None = None) -> int:
+    """The block size of the banded format in this node order (or with node v at row
+    ``position[v]``): the bandwidth (largest |src - dst|) rounded up to a multiple of
+    GROUP.  Edges then join rows at most one block apart: |i - j| <= B implies
+    |i // B - j // B| <= 1."""
     if edge_index.shape[1] == 0:
         return GROUP
-    return _round_up(np.abs(edge_index[0] - edge_index[1]).max())
+    return _round_up(max(int(gap.max()) for gap in
+                         edge_gaps(edge_index[0], edge_index[1], position)))
 
 
 def narrowest_block(edge_index: np.ndarray, num_nodes: int) -> int:
@@ -149,8 +151,8 @@ def graph_sizes(plan, structures: dict) -> dict[str, int]:
     sizes = {}
     for gname, steps in format_steps(plan).items():
         st = structures[gname]
-        sizes[f"GAP:{gname}"] = int(np.abs(st.rows.astype(np.int64) - st.indices).mean()) \
-            if st.num_edges else 0
+        sizes[f"GAP:{gname}"] = sum(int(gap.sum()) for gap in
+                                    edge_gaps(st.rows, st.indices)) // max(st.num_edges, 1)
         if "ell" not in steps[0]["formats"]["kernels"]:
             continue
         if any(s["formats"]["transpose"] for s in steps):

@@ -30,6 +30,7 @@ from __future__ import annotations
 from functools import cached_property
 
 import numpy as np
+import scipy.sparse as sp
 
 from gcomp.errors import InputError
 
@@ -78,6 +79,22 @@ def hub_split(indptr: np.ndarray, size: int | None = None) -> tuple[np.ndarray, 
     return np.stack([start, end, row_of], axis=1).astype(np.int64), rows
 
 
+def stable_groups(keys: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(indptr, order): ``keys`` (integers in [0, n)) grouped by value, stably: group k is
+    ``order[indptr[k]:indptr[k + 1]]``, positions in increasing order, so ``order`` equals
+    ``np.argsort(keys, kind="stable")``.  A counting sort, through scipy's COO -> CSR
+    conversion of the matrix with a one at (key, position): linear in the edges, where
+    numpy's stable argsort of 64-bit keys is a merge sort (20M edges into 200,000 nodes,
+    2 cores: 2.9 s -> 1.1 s)."""
+    e = keys.shape[0]
+    # the index type scipy would convert both to (int64 positions took 8 bytes an edge)
+    idx = np.int32 if max(n, e) < 2**31 else np.int64
+    a = sp.csr_array((np.ones(e, np.int8), (keys.astype(idx), np.arange(e, dtype=idx))),
+                     shape=(n, max(e, 1)))
+    a.sort_indices()  # each row's positions ascending: the stable order
+    return a.indptr.astype(np.int64, copy=False), a.indices.astype(np.int64, copy=False)
+
+
 def from_csr_order(values: np.ndarray, perm: np.ndarray) -> np.ndarray:
     """Edge values in CSR order -> canonical order, ``perm`` a structure's ``perm``."""
     out = np.empty_like(values)
@@ -110,7 +127,7 @@ class GraphStructure:
 
     @cached_property
     def csc_eid(self) -> np.ndarray:
-        return np.argsort(self.indices, kind="stable").astype(np.int64)
+        return stable_groups(self.indices, self.num_nodes)[1]
 
     @cached_property
     def csc_perm(self) -> np.ndarray:
@@ -176,11 +193,9 @@ class GraphStructure:
     def from_edge_index(edge_index: np.ndarray, num_nodes: int) -> "GraphStructure":
         """CSR by destination of a validated (2, E) int64 edge index."""
         src, dst = edge_index[0], edge_index[1]
-        order = np.argsort(dst, kind="stable")
-        counts = np.bincount(dst, minlength=num_nodes)
-        indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        indptr, order = stable_groups(dst, num_nodes)
         return GraphStructure(num_nodes, indptr, src[order].astype(np.int32),
-                              dst[order].astype(np.int32), lambda: order.astype(np.int64))
+                              dst[order].astype(np.int32), lambda: order)
 
     def derive(self, mode: str, node_ids: np.ndarray | None = None) -> "GraphStructure":
         """The graph made by ``self_loops[mode]`` (see ``gcomp.ir.ops``).
