@@ -141,19 +141,26 @@ def test_rcm_for_the_band_is_computed_once_and_kept_only_where_the_band_fits(mon
     import gcomp.runtime.formats as fmts
     import gcomp.runtime.reorder as ro
     from tests.test_formats import _plan_with_costs
-    calls = []
+    calls, patterns = [], []
 
-    def counted(g):
-        calls.append(g)
-        return rcm(g)
-    rcm = ro.rcm_order
+    def counted(*a):
+        calls.append(a)
+        return rcm(*a)
+
+    def pattern(*a):
+        patterns.append(a)
+        return symmetric(*a)
+    rcm, symmetric = ro.rcm_order, ro.symmetric_pattern
     monkeypatch.setattr(ro, "rcm_order", counted)
     monkeypatch.setattr(ex, "rcm_order", counted)
+    for mod in (ro, fmts):
+        monkeypatch.setattr(mod, "symmetric_pattern", pattern)
     monkeypatch.setattr(ro, "CACHE_BYTES", 0)  # the rows miss the cache: orders compared
     g = _long_edges_band()
     plan = _plan_with_costs(1.0, 10.0, 0.1)  # banded predicted far faster than CSR
     lay = decide_layout(plan, g)
-    assert len(calls) == 1
+    # one RCM and one symmetrized graph, for the order model, the band and the narrowest
+    assert len(calls) == 1 and len(patterns) == 1
     assert lay.reorder["mean_distance"]["rcm"] > 0.5 * lay.reorder["mean_distance"]["given"]
     assert lay.reorder["chosen"] == "rcm" and "band" in lay.reorder["reason"]
     assert list(lay.chosen.values()) == ["banded"]
@@ -169,4 +176,12 @@ def test_rcm_for_the_band_is_computed_once_and_kept_only_where_the_band_fits(mon
     assert kept.reorder["chosen"] == "given" and kept.order is None
     (entry,) = kept.formats.values()  # the band would pay in the narrowest band: RCM tried
     assert entry["banded_narrowest_ms"] < entry["cost_ms"]["csr"]
+    # the narrowest band, from the shared pattern: half the most distinct neighbours
+    # (either direction, self loops not counted) any node has, rounded up to 8
+    near = [set() for _ in range(g.num_nodes)]
+    for s, d in g.edge_index.T:
+        if s != d:
+            near[s].add(d)
+            near[d].add(s)
+    assert entry["narrowest_block"] == -(-((max(map(len, near)) + 1) // 2) // 8) * 8
     assert list(kept.chosen.values()) == ["csr"]

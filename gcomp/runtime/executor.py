@@ -249,9 +249,12 @@ def decide_layout(plan: Plan, graph: GraphData, features: dict | None = None,
     order, reorder_report = choose_order(graph, row_bytes(plan), reorder, gpu, made)
     if loss_rows is not None and reorder != "none":
         order = mask_first(order, loss_rows)
-    # before the structures exist: its scratch (the symmetrized graph) and theirs are not
-    # held at once
-    narrowest = fmts.narrowest_block(graph.edge_index, graph.num_nodes) if use_formats else None
+    # before the structures exist: the symmetrized graph (RCM's, if the order model made
+    # one) and they are not held at once
+    pattern = made.pop("pattern", None)
+    narrowest = (fmts.narrowest_block(graph.edge_index, graph.num_nodes, pattern)
+                 if use_formats else None)
+    del pattern
     g, f, st, sizes, block = arrange(order)
     chosen, report = choose(sizes, block, "auto", narrowest)
     if (reorder in ("auto", "rcm") and reorder_report["chosen"] != "rcm"

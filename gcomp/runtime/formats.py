@@ -36,10 +36,9 @@ step over a graph value (dense and banded forward and backward share the packed 
 from __future__ import annotations
 
 import numpy as np
-import scipy.sparse as sp
 
 from gcomp.errors import InputError
-from gcomp.runtime.reorder import CACHE_BYTES, edge_gaps
+from gcomp.runtime.reorder import CACHE_BYTES, edge_gaps, symmetric_pattern
 
 FORMATS = ("csr", "dense", "banded", "ell")
 MODES = ("auto",) + FORMATS
@@ -73,15 +72,15 @@ def band_block(edge_index: np.ndarray, position: np.ndarray | None = None) -> in
                          edge_gaps(edge_index[0], edge_index[1], position)))
 
 
-def narrowest_block(edge_index: np.ndarray, num_nodes: int) -> int:
+def narrowest_block(edge_index: np.ndarray, num_nodes: int, pattern=None) -> int:
     """A lower bound on the block size any node order can give: a node with d distinct
-    neighbours (either direction) needs bandwidth >= d / 2."""
-    off = edge_index[:, edge_index[0] != edge_index[1]]
-    if off.shape[1] == 0:
+    neighbours (either direction) needs bandwidth >= d / 2.  ``pattern``: the graph's
+    ``reorder.symmetric_pattern``, if made."""
+    if pattern is None:
+        pattern = symmetric_pattern(edge_index, num_nodes)
+    distinct = np.diff(pattern.indptr) - pattern.diagonal()  # a self loop is no neighbour
+    if distinct.size == 0:
         return GROUP
-    a = sp.csr_matrix((np.ones(off.shape[1], bool), (off[0], off[1])),
-                      shape=(num_nodes, num_nodes))
-    distinct = np.diff((a + a.T).tocsr().indptr)  # boolean: duplicates merge, none vanish
     return _round_up((int(distinct.max()) + 1) // 2)
 
 
