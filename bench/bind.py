@@ -27,17 +27,9 @@ from pathlib import Path
 
 from bench import report
 from bench.env import machine, set_threads, versions
+from bench.memory import status_mb
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _status() -> dict:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                out[line.split(":")[0]] = int(line.split()[1]) / 1024.0
-    return out
 
 
 def _graph(name: str):
@@ -71,11 +63,11 @@ def child(spec: dict) -> dict:
             t0 = time.perf_counter()
             csr_input("gcn", g.edge_index, g.num_nodes)
             return time.perf_counter() - t0
-    before = _status()["VmRSS"]
+    before = status_mb("VmRSS")["VmRSS"]
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := VmRSS: the peak from here on
     first = prepare(True)
-    peak = _status()["VmHWM"] - before
+    peak = status_mb("VmHWM")["VmHWM"] - before
     times = [prepare(False) for _ in range(spec["reps"])]
     return {"first_s": first, "median_s": statistics.median(times), "times_s": times,
             "peak_above_mb": peak, "nodes": g.num_nodes, "edges": g.num_edges}

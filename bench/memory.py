@@ -25,19 +25,27 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
+def status_mb(*fields: str) -> dict[str, float]:
+    """Fields of /proc/self/status counted in kB (``VmRSS``, ``VmHWM``), in MB; a field
+    the system does not report is left out."""
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key = line.split(":")[0]
+                if key in fields:
+                    out[key] = int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return out
+
+
 def _peak_mb() -> dict:
     """Peak RSS of this process, MB.  ``ru_maxrss`` (getrusage) survives fork + exec on Linux:
     a child started by a big parent reports at least the parent's size.  VmHWM (the high-water
     mark of this process's own address space) does not, so it is the figure used."""
     out = {"ru_maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    out["peak_mb"] = int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    out.setdefault("peak_mb", out["ru_maxrss_mb"])
+    out["peak_mb"] = status_mb("VmHWM").get("VmHWM", out["ru_maxrss_mb"])
     return out
 
 

@@ -57,7 +57,7 @@ def edge_gaps(src: np.ndarray, dst: np.ndarray, position: np.ndarray | None = No
         s, d = src[a:a + GAP_CHUNK], dst[a:a + GAP_CHUNK]
         if position is not None:
             s, d = position[s], position[d]
-        yield np.abs(s.astype(np.int64) - d)
+        yield np.abs(s.astype(np.int64, copy=False) - d)  # int32 ends would wrap
 
 
 def mean_distance(edge_index: np.ndarray, position: np.ndarray | None = None) -> float:
